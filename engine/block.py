@@ -1,0 +1,59 @@
+"""One Qwen2 decoder block as a sequence of Backend ops, and the weights it reads.
+
+The model runs this for every layer; the layer rung runs it alone against Hugging Face's
+`Qwen2DecoderLayer`. Every op is looked up on the backend at call time, so the ladder can wrap one
+(to capture activations or plant a fault) without the engine knowing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from engine.config import Qwen2Config
+
+
+@dataclass
+class LayerWeights:
+    """One layer as a backend holds it. q/k/v and gate/up are fused at load (rows [q; k; v], [gate; up])."""
+
+    input_layernorm: Any  # fp16 [H]
+    qkv: Any  # QuantizedWeight [(nq + 2 nkv) d, H]
+    qkv_bias: Any  # fp16 [(nq + 2 nkv) d]
+    o_proj: Any  # QuantizedWeight [H, nq d]
+    post_attention_layernorm: Any  # fp16 [H]
+    gate_up: Any  # QuantizedWeight [2 I, H]
+    down: Any  # QuantizedWeight [H, I]
+
+
+class Workspace:
+    """Activation buffers for T tokens at a time (fixed buffers make the decode step capturable)."""
+
+    def __init__(self, backend, config: Qwen2Config, T: int):
+        c = config
+        self.T = T
+        self.residual = backend.empty((T, c.hidden_size), np.float32)
+        self.h = backend.empty((T, c.hidden_size), np.float16)
+        self.qkv = backend.empty((T, c.qkv_size), np.float16)
+        self.q = backend.empty((T, c.num_attention_heads, c.head_dim), np.float16)
+        self.attn = backend.empty((T, c.q_size), np.float16)
+        self.act = backend.empty((T, c.intermediate_size), np.float16)
+        self.positions = backend.empty((T,), np.int32)
+        self.ids = backend.empty((T,), np.int32)
+
+
+def decoder_block(backend, config: Qwen2Config, w: LayerWeights, ws: Workspace, k_pages, v_pages,
+                  page_table, decode: bool) -> None:
+    """ws.residual [T, H] fp32 <- the block applied to it, at positions ws.positions (K/V into pages)."""
+    be, c = backend, config
+    be.rmsnorm(ws.residual, w.input_layernorm, c.rms_norm_eps, ws.h)
+    be.qkv_proj(ws.h, w.qkv, w.qkv_bias, ws.qkv)
+    be.rope_kv_write(ws.qkv, ws.positions, k_pages, v_pages, page_table, c.rope_theta, ws.q)
+    attention = be.attention_decode if decode else be.attention_prefill
+    attention(ws.q, k_pages, v_pages, page_table, ws.positions, ws.attn)
+    be.o_proj_residual(ws.attn, w.o_proj, ws.residual)
+    be.rmsnorm(ws.residual, w.post_attention_layernorm, c.rms_norm_eps, ws.h)
+    be.gate_up_silu(ws.h, w.gate_up, ws.act)
+    be.down_residual(ws.act, w.down, ws.residual)

@@ -1,0 +1,91 @@
+"""Every error the engine raises on bad input, typed so callers and tests can tell them apart.
+
+One family per source of trouble: the model file (`ModelFileError` and a subclass per malformed
+case), the model config (`ConfigError`), the request (`TokenIdError`, `PromptTooLongError`) and the
+KV cache (`OutOfPagesError`). The command line turns any `NanoqwenError` into one line on stderr.
+"""
+
+from __future__ import annotations
+
+
+class NanoqwenError(Exception):
+    """Base of every error that names a problem with the user's input or resources."""
+
+
+# --- the .nanoqwen file -------------------------------------------------------------------------
+
+
+class ModelFileError(NanoqwenError):
+    """A .nanoqwen file that cannot be trusted. The message names the file and the problem."""
+
+    def __init__(self, path, problem: str):
+        self.path = str(path)
+        self.problem = problem
+        super().__init__(f"{self.path}: {problem}")
+
+
+class BadMagicError(ModelFileError):
+    """The first 8 bytes are not `NANOQWEN`."""
+
+
+class UnsupportedVersionError(ModelFileError):
+    """The version field names a layout this reader does not know."""
+
+
+class TruncatedFileError(ModelFileError):
+    """The file ends before its fixed preamble, its header or its data does."""
+
+
+class HeaderError(ModelFileError):
+    """The JSON header is not valid UTF-8 JSON, or lacks a required field."""
+
+
+class HeaderTooLargeError(ModelFileError):
+    """The header length field claims more bytes than the file holds (or a sane header needs)."""
+
+
+class TensorBoundsError(ModelFileError):
+    """A tensor's offset or length runs past the end of the file, is misaligned, or overlaps."""
+
+
+class DTypeMismatchError(ModelFileError):
+    """A tensor's dtype is unknown, or not the one its format and config require."""
+
+
+class ShapeMismatchError(ModelFileError):
+    """A tensor's shape disagrees with its byte length, or with the model config."""
+
+
+class ChecksumMismatchError(ModelFileError):
+    """A tensor's bytes do not hash to the checksum stored in the header."""
+
+
+class MissingTensorError(ModelFileError):
+    """A tensor the config requires is absent from the table."""
+
+
+# --- config, requests, cache --------------------------------------------------------------------
+
+
+class ConfigError(NanoqwenError):
+    """A model config the engine does not implement; the message names the key."""
+
+
+class UnknownFormatError(NanoqwenError):
+    """A quantization format name that no module in engine/formats registers."""
+
+
+class TokenIdError(NanoqwenError, ValueError):
+    """A token id outside [0, vocab_size)."""
+
+
+class PromptTooLongError(NanoqwenError, ValueError):
+    """A prompt (plus the tokens asked for) longer than the KV cache can hold."""
+
+
+class OutOfPagesError(NanoqwenError, RuntimeError):
+    """The page allocator has no free page left."""
+
+
+# Raised by kernels/ (which cannot import engine/), re-exported here so callers find it with the rest.
+from kernels import BackendUnavailableError  # noqa: E402,F401

@@ -1,0 +1,90 @@
+"""`int4_sym_g128`: INT4 symmetric, one fp16 scale per 128 inputs, nibbles in the ValueShuffle order.
+
+This module is the definition (DESIGN.md, "INT4"). For a weight `W[out, in]` (float32), group `j`
+covering inputs `128j .. 128j+127`:
+
+    s[o, j] = fp16(max |W[o, 128j : 128j+128]| / 7)
+    q       = clamp(rint(W / s), -8, 7)        (with the fp16 scale; q = 0 where s = 0)
+    nibble  = q + 8                            (0 .. 15)
+    W~      = (nibble - 8) * s                 (dequantized)
+
+`qweight` is uint32 `[out, in/8]`, little-endian; word `j` of row `o` holds elements `8j .. 8j+7`:
+
+    bit   31..28  27..24  23..20  19..16  15..12  11..8   7..4    3..0
+         +-------+-------+-------+-------+-------+-------+-------+-------+
+         |  e7   |  e5   |  e3   |  e1   |  e6   |  e4   |  e2   |  e0   |
+         +-------+-------+-------+-------+-------+-------+-------+-------+
+    nibble   7       6       5       4       3       2       1       0
+
+    nibble k holds element 8j + (0, 2, 4, 6, 1, 3, 5, 7)[k]
+    (word >> 4k) & 0x000F000F  ->  element 2k in bits 0..3, element 2k+1 in bits 16..19:
+    the pair (2k, 2k+1) in the two 16-bit halves, one OR with 0x6400 away from a half2.
+
+`scales` is fp16 `[out, in/128]`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine.formats import register
+
+GROUP = 128
+# NIBBLE_ELEMENT[k] = which of a word's 8 elements sits in nibble k (bits 4k .. 4k+3)
+NIBBLE_ELEMENT = np.array([0, 2, 4, 6, 1, 3, 5, 7])
+
+
+class Int4SymG128:
+    name = "int4_sym_g128"
+    suffixes = (".qweight", ".scales")
+    group_size = GROUP
+
+    def tensor_specs(self, out_features: int, in_features: int):
+        return {
+            ".qweight": ("uint32", (out_features, in_features // 8)),
+            ".scales": ("float16", (out_features, in_features // GROUP)),
+        }
+
+    def quantize(self, w: np.ndarray) -> dict[str, np.ndarray]:
+        w = np.asarray(w, dtype=np.float32)
+        out_f, in_f = w.shape
+        if in_f % GROUP:
+            raise ValueError(f"in_features {in_f} is not a multiple of the group size {GROUP}")
+        g = w.reshape(out_f, in_f // GROUP, GROUP)  # [out, groups, 128]
+        scales = (np.abs(g).max(axis=2) / np.float32(7.0)).astype(np.float16)  # [out, groups]
+        s32 = scales.astype(np.float32)[:, :, None]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            q = np.where(s32 > 0, np.rint(g / s32), 0.0)
+        q = np.clip(q, -8, 7).astype(np.int32).reshape(out_f, in_f)
+        return {"qweight": pack(q + 8), "scales": scales}
+
+    def dequantize(self, tensors: dict[str, np.ndarray]) -> np.ndarray:
+        nib = unpack(tensors["qweight"]).astype(np.float32)  # [out, in]
+        scales = np.asarray(tensors["scales"]).astype(np.float32)
+        out_f, in_f = nib.shape
+        w = (nib - 8.0).reshape(out_f, in_f // GROUP, GROUP) * scales[:, :, None]
+        return w.reshape(out_f, in_f)
+
+
+def pack(nibbles: np.ndarray) -> np.ndarray:
+    """Nibble values 0..15 `[out, in]` -> ValueShuffle uint32 words `[out, in/8]` (map in the docstring)."""
+    nibbles = np.asarray(nibbles).astype(np.uint32)
+    out_f, in_f = nibbles.shape
+    e = nibbles.reshape(out_f, in_f // 8, 8)  # [out, words, 8 elements]
+    words = np.zeros((out_f, in_f // 8), dtype=np.uint32)
+    for k in range(8):
+        words |= e[:, :, NIBBLE_ELEMENT[k]] << np.uint32(4 * k)
+    return words
+
+
+def unpack(words: np.ndarray) -> np.ndarray:
+    """ValueShuffle uint32 words `[out, in/8]` -> nibble values 0..15 `[out, in]` (uint8)."""
+    words = np.asarray(words, dtype=np.uint32)
+    out_f, n_words = words.shape
+    e = np.empty((out_f, n_words, 8), dtype=np.uint8)
+    for k in range(8):
+        e[:, :, NIBBLE_ELEMENT[k]] = (words >> np.uint32(4 * k)) & np.uint32(0xF)
+    return e.reshape(out_f, n_words * 8)
+
+
+FORMAT = register(Int4SymG128())

@@ -1,0 +1,78 @@
+"""The Hugging Face side of the ladder: transformers' own Qwen2 code, float32, on weights we hand it.
+
+`hf_model(config, weights)` is the "HF simulation": `Qwen2ForCausalLM` with the same dequantized
+("fake-quantized") weights the engine runs, so the graph rung compares kernels, not quantization.
+`hf_decoder_layer(config, weights, layer)` is one `Qwen2DecoderLayer` for the layer rung. Weights come
+in as a dict of HF names to float arrays; nothing here imports engine/ or kernels/.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def hf_config(config: dict):
+    """A transformers Qwen2Config (float32, eager attention) from a config.json dict."""
+    from transformers import Qwen2Config
+
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
+            "hidden_act", "bos_token_id", "eos_token_id")
+    kwargs = {k: config[k] for k in keys if k in config}
+    theta = config.get("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    cfg = Qwen2Config(**kwargs, use_sliding_window=False, attention_dropout=0.0)
+    # transformers 4.x reads `rope_theta`; 5.x reads `rope_parameters`. Set both, whichever is live.
+    cfg.rope_theta = float(theta)
+    if getattr(cfg, "rope_parameters", None) is not None:
+        cfg.rope_parameters = {"rope_type": "default", "rope_theta": float(theta)}
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def _load(module, weights: dict, prefix: str = ""):
+    torch = _torch()
+    state = {k[len(prefix):]: torch.from_numpy(np.asarray(v, dtype=np.float32).copy())
+             for k, v in weights.items() if k.startswith(prefix)}
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    missing = [m for m in missing if "rotary_emb" not in m and not m.endswith("lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"weights do not fit the HF module: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+
+def hf_model(config: dict, weights: dict):
+    """Qwen2ForCausalLM in float32, eval mode, with the given (dequantized) weights."""
+    torch = _torch()
+    from transformers import Qwen2ForCausalLM
+
+    with torch.device("cpu"):
+        model = Qwen2ForCausalLM(hf_config(config)).float().eval()
+    _load(model, weights)
+    if config.get("tie_word_embeddings"):
+        model.tie_weights()
+    return model
+
+
+def hf_decoder_layer(config: dict, weights: dict, layer: int):
+    """(Qwen2DecoderLayer, Qwen2RotaryEmbedding) in float32 for layer `layer` of `weights`."""
+    torch = _torch()
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RotaryEmbedding
+
+    cfg = hf_config(config)
+    block = Qwen2DecoderLayer(cfg, layer_idx=layer).float().eval()
+    _load(block, weights, prefix=f"model.layers.{layer}.")
+    rope = Qwen2RotaryEmbedding(config=cfg)
+    return block, rope
+
+
+def hf_logits(model, ids) -> np.ndarray:
+    """float32 logits [len(ids), vocab] of one full forward pass (no cache)."""
+    torch = _torch()
+    with torch.no_grad():
+        out = model(torch.tensor([list(ids)], dtype=torch.long), use_cache=False)
+    return out.logits[0].float().numpy()
