@@ -1,0 +1,49 @@
+"""The one tolerance table. Tests never type a number: they look up `TOL[(op, dtype)]`.
+
+The rule (FlashAttention's): an op's *noise floor* is the max abs error, against the float64 reference,
+of a plain implementation that rounds its inputs to their storage dtype, computes in fp32 and rounds
+its output to the storage dtype (`reference.ops.ref_*(..., dtype=np.float32)`). A kernel passes when
+
+    max |out - ref|  <=  factor * floor  +  ulps * eps(dtype) * max(|ref|, 1)
+
+`factor` absorbs a different (but equally valid) summation order; the `ulps` term only matters where
+the floor is zero (exact ops, all-zero inputs). Each entry carries the one-line reason for its numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Tol:
+    factor: float
+    ulps: float
+    reason: str
+
+    def bound(self, floor: float, ref_scale: float, dtype) -> float:
+        eps = float(np.finfo(np.dtype(dtype)).eps) if np.dtype(dtype).kind == "f" else 0.0
+        return self.factor * floor + self.ulps * eps * max(ref_scale, 1.0)
+
+
+EXACT = Tol(0.0, 0.0, "")
+
+TOL: dict[tuple[str, str], Tol] = {
+    ("embed", "float32"): Tol(0.0, 0.0, "an fp16 -> fp32 copy is exact"),
+    ("rmsnorm", "float16"): Tol(2.0, 1.0, "fp32 mean of squares; output rounding dominates, reduction order may differ"),
+    ("qkv_proj", "float16"): Tol(2.0, 2.0, "fp32 dot products of up to H terms in any order, then fp16 rounding"),
+    ("rope_kv_write", "float16"): Tol(2.0, 2.0, "fp32 sin/cos of fp32 angles (may differ from libm by an ulp), fp16 store"),
+    ("attention", "float16"): Tol(2.0, 2.0, "online softmax rescales in a different order than the two-pass reference"),
+    ("o_proj_residual", "float32"): Tol(4.0, 8.0, "fp32 dot products of nq*d terms added into an fp32 residual"),
+    ("gate_up_silu", "float16"): Tol(2.0, 2.0, "two fp32 GEMVs, fp32 SiLU, one fp16 rounding of the product"),
+    ("down_residual", "float32"): Tol(4.0, 8.0, "fp32 dot products of I terms added into an fp32 residual"),
+    ("lm_head", "float32"): Tol(4.0, 8.0, "fp32 dot products of H fp16 terms; the floor is fp32 summation error"),
+    ("argmax", "int32"): Tol(0.0, 0.0, "an index is right or wrong; ties go to the lowest index"),
+    ("dequantize", "float32"): Tol(0.0, 0.0, "(nibble - 8) * fp16 scale is exact in fp32"),
+}
+
+# Layer rung: the engine's fp16 activations against HF's float32 block on the same weights. The floor
+# there is the engine's own rounding, measured in the test by rounding HF's activations the same way.
+LAYER_FACTOR = Tol(4.0, 16.0, "8 ops each rounding to fp16; errors compound through the residual")
