@@ -226,8 +226,10 @@ class ModelFile:
         expect = int(np.prod(shape, dtype=object)) * np.dtype(DTYPES[dtype]).itemsize
         if expect != length:
             raise E.ShapeMismatchError(p, f"tensor {name!r}: shape {list(shape)} of {dtype} is {expect} bytes, table says {length}")
-        if offset < data_floor or offset % ALIGN:
-            raise E.TensorBoundsError(p, f"tensor {name!r}: offset {offset} is inside the header or not {ALIGN}-byte aligned")
+        if offset < data_floor:
+            raise E.TensorBoundsError(p, f"tensor {name!r}: offset {offset} lies inside the header (data starts at {data_floor})")
+        if offset % ALIGN:
+            raise E.TensorBoundsError(p, f"tensor {name!r}: offset {offset} is not {ALIGN}-byte aligned")
         if offset + length > self.size:
             raise E.TruncatedFileError(p, f"tensor {name!r} ends at byte {offset + length}, past the end of the "
                                           f"{self.size}-byte file (truncated?)")

@@ -23,7 +23,7 @@ RECORDS: list[dict] = []
 
 def rerun_command() -> str:
     node = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
-    return f"python -m pytest {shlex.quote(node)} -p no:randomly" if node else "python -m pytest"
+    return f"python -m pytest {shlex.quote(node)}" if node else "python -m pytest"
 
 
 def describe_mismatch(out: np.ndarray, ref: np.ndarray, n: int = 5) -> str:
@@ -49,6 +49,7 @@ def error_stats(out: np.ndarray, ref: np.ndarray) -> dict:
 def assert_close(op: str, out, ref, plain=None, *, dtype=None, backend: str = "?", case: str = "",
                  seed: int | None = None, tol_op: str | None = None) -> dict:
     """Fail unless `out` is within TOL[(op, dtype)] of `ref`; return the recorded errors."""
+    __tracebackhide__ = True
     out = np.asarray(out)
     ref = np.asarray(ref, dtype=np.float64)
     dtype = np.dtype(dtype or out.dtype).name
@@ -81,6 +82,7 @@ def assert_close(op: str, out, ref, plain=None, *, dtype=None, backend: str = "?
 
 def assert_equal(op: str, out, ref, *, backend: str = "?", case: str = "", seed: int | None = None) -> None:
     """Exact comparison (indices, token ids, integer tables)."""
+    __tracebackhide__ = True
     out, ref = np.asarray(out), np.asarray(ref)
     ok = out.shape == ref.shape and np.array_equal(out, ref)
     RECORDS.append({"op": op, "backend": backend, "case": case, "seed": seed, "max_abs": 0.0 if ok else float("inf"),

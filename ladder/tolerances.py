@@ -42,8 +42,21 @@ TOL: dict[tuple[str, str], Tol] = {
     ("lm_head", "float32"): Tol(4.0, 8.0, "fp32 dot products of H fp16 terms; the floor is fp32 summation error"),
     ("argmax", "int32"): Tol(0.0, 0.0, "an index is right or wrong; ties go to the lowest index"),
     ("dequantize", "float32"): Tol(0.0, 0.0, "(nibble - 8) * fp16 scale is exact in fp32"),
+    # Whole-model checks: the floor is the engine's own full-prefill error against the float64 model.
+    ("decode_logits", "float32"): Tol(2.0, 0.0, "decode through the cache is another valid fp16 rounding path than a full prefill"),
 }
 
 # Layer rung: the engine's fp16 activations against HF's float32 block on the same weights. The floor
 # there is the engine's own rounding, measured in the test by rounding HF's activations the same way.
 LAYER_FACTOR = Tol(4.0, 16.0, "8 ops each rounding to fp16; errors compound through the residual")
+
+# Graph rung: a token mismatch where the reference's top-1 margin (its logit of its own token minus its
+# logit of the engine's token) is below NEAR_TIE_EPS is a near-tie, reported, not failed. Derivation:
+# a greedy choice flips only when the engine's logit errors on the two tokens sum to more than the
+# margin. On the default model the engine's max abs logit error against the float64 reference is about
+# 0.0085 (fp16 activations over 4 layers; `ladder/unit/test_engine.py` measures it), so a flip needs a
+# margin under ~0.017; 0.05 is that with a 3x allowance for longer contexts and other prompts.
+NEAR_TIE_EPS = 0.05
+# A model too flat to judge: when more than this fraction of reference positions have margins under
+# NEAR_TIE_EPS, the graph rung refuses the model instead of passing on ties (DESIGN.md).
+MAX_NEAR_TIE_FRACTION = 0.05

@@ -51,7 +51,12 @@ class Int4SymG128:
         if in_f % GROUP:
             raise ValueError(f"in_features {in_f} is not a multiple of the group size {GROUP}")
         g = w.reshape(out_f, in_f // GROUP, GROUP)  # [out, groups, 128]
-        scales = (np.abs(g).max(axis=2) / np.float32(7.0)).astype(np.float16)  # [out, groups]
+        if not np.isfinite(w).all():
+            raise ValueError("weight holds NaN or inf; it cannot be quantized")
+        with np.errstate(over="ignore"):
+            scales = (np.abs(g).max(axis=2) / np.float32(7.0)).astype(np.float16)  # [out, groups]
+        if not np.isfinite(scales).all():
+            raise ValueError("a group's max |w| / 7 overflows fp16 (|w| > 458528); int4_sym_g128 cannot hold it")
         s32 = scales.astype(np.float32)[:, :, None]
         with np.errstate(divide="ignore", invalid="ignore"):
             q = np.where(s32 > 0, np.rint(g / s32), 0.0)

@@ -1,0 +1,7 @@
+"""`python -m ladder ...` is `nanoqwen ...` from a plain checkout."""
+
+import sys
+
+from ladder.cli import main
+
+sys.exit(main())

@@ -1,0 +1,33 @@
+"""Running one Backend op the way the unit rung does: host arrays in, sentinel-filled outputs, host out.
+
+Outputs start filled with a sentinel (NaN for floats, a negative value for ints): an element the op
+never writes stays NaN, and `assert_close` fails on NaN anywhere.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+INT_SENTINEL = -7777
+
+
+def sentinel(backend, shape, dtype):
+    dtype = np.dtype(dtype)
+    return backend.full(shape, np.nan if dtype.kind == "f" else INT_SENTINEL, dtype)
+
+
+def dev(backend, *arrays):
+    """Host arrays -> the backend's arrays (one or a tuple)."""
+    out = tuple(backend.asarray(a) for a in arrays)
+    return out[0] if len(out) == 1 else out
+
+
+def host(backend, a) -> np.ndarray:
+    backend.synchronize()
+    return np.array(backend.to_numpy(a), copy=True)
+
+
+def quantized(backend, fmt, w: np.ndarray):
+    """(QuantizedWeight on the backend, stored tensors on the host) for a float32 weight."""
+    tensors = fmt.quantize(w)
+    return backend.prepare_linear(fmt.name, tensors, w.shape[0], w.shape[1]), tensors

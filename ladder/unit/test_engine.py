@@ -1,0 +1,122 @@
+"""Unit rung, whole engine on the small fixture model: cache consistency and bad requests.
+
+Decode through the paged cache must give the logits of a full prefill recompute, within the noise
+floor set by the prefill's own error against the float64 reference model, at every page edge, with a
+shuffled page table and NaN in every free page and unwritten slot.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import engine
+from engine.errors import PromptTooLongError, TokenIdError
+from engine.kv_cache import PagedKVCache
+from fixtures.tiny_model import random_model_file
+from ladder.compare import assert_close
+from ladder.weights import dequantized_weights
+from reference.model import ref_forward
+
+LENGTHS = (1, 15, 16, 17, 31, 32, 33)
+
+
+@pytest.fixture(scope="module")
+def model_path():
+    return random_model_file()
+
+
+@pytest.fixture(scope="module")
+def reference(model_path):
+    return dequantized_weights(model_path)
+
+
+@pytest.fixture
+def model(model_path, backend):
+    return engine.load(model_path, backend=backend)
+
+
+def check_decode_equals_prefill(model, reference, ids, case: str, shuffle_seed: int = 0):
+    """Prefill ids[:1], decode the rest through a shuffled NaN-filled cache; compare with a full prefill."""
+    ref = ref_forward(*reference, ids)[-1]
+    model.use_cache(PagedKVCache(model.config, model.backend, num_pages=8, debug_nan=True, shuffle_seed=shuffle_seed))
+    seq = model.new_sequence()
+    full = model.prefill(seq, ids)
+    seq.free()
+    seq = model.new_sequence()
+    logits = model.prefill(seq, ids[:1])
+    for t in ids[1:]:
+        logits = model.decode_step(seq, int(t))
+    assert seq.length == len(ids) and len(seq.pages) == -(-len(ids) // 16)
+    seq.free()
+    assert_close("decode_logits", logits, ref, full, backend=model.backend.name, case=case)
+
+
+@pytest.mark.parametrize("L", LENGTHS)
+def test_decode_with_cache_equals_full_prefill(model, reference, L):
+    ids = np.random.default_rng(L).integers(0, model.config.vocab_size, L)
+    check_decode_equals_prefill(model, reference, ids, f"L={L}", shuffle_seed=L)
+
+
+def test_chunked_prefill_equals_one_prefill(model, reference):
+    ids = np.random.default_rng(7).integers(0, model.config.vocab_size, 40)
+    ref = ref_forward(*reference, ids)[-1]
+    seq = model.new_sequence()
+    full = model.prefill(seq, ids)
+    seq.free()
+    seq = model.new_sequence()
+    model.prefill(seq, ids[:17])
+    chunked = model.prefill(seq, ids[17:])
+    seq.free()
+    assert_close("decode_logits", chunked, ref, full, backend=model.backend.name, case="chunks 17+23")
+
+
+def test_generate_is_greedy_and_stops(model):
+    prompt = [5, 6, 7]
+    out = model.generate(prompt, 12)
+    assert len(out) == 12
+    seq = model.new_sequence()
+    logits = model.prefill(seq, prompt)
+    for tok in out:
+        assert tok == int(np.argmax(logits))
+        logits = model.decode_step(seq, tok)
+    seq.free()
+    stop = out[3]
+    assert model.generate(prompt, 12, stop_ids=[stop])[-1] == stop
+    assert model.cache.allocator.num_free == model.cache.num_pages, "generate must free its pages"
+
+
+@pytest.mark.parametrize("ids", [[0, 512], [-1], [3, 10**9]])
+def test_token_id_out_of_range_is_refused(model, ids):
+    with pytest.raises(TokenIdError, match="out of range"):
+        model.generate(ids, 1)
+
+
+def test_empty_or_non_integer_prompt_is_refused(model):
+    with pytest.raises(TokenIdError):
+        model.generate([], 1)
+    with pytest.raises(TokenIdError):
+        model.generate([1.5], 1)
+
+
+def test_prompt_longer_than_the_cache_is_refused(model_path, backend):
+    model = engine.load(model_path, backend=backend, cache_tokens=64)
+    with pytest.raises(PromptTooLongError, match="64 tokens"):
+        model.generate(list(range(60)), 5)
+    with pytest.raises(PromptTooLongError):
+        model.prefill(model.new_sequence(), list(range(65)))
+    assert model.generate(list(range(60)), 4)  # exactly full is fine
+
+
+def test_tied_embeddings_model_runs(tmp_path):
+    from engine.config import SHAPES
+    from engine.convert import convert
+    from fixtures.tiny_model import build_random_model
+
+    cfg = SHAPES["tiny"].replace(tie_word_embeddings=True, num_hidden_layers=1)
+    convert(build_random_model(tmp_path / "hf", cfg, seed=1, with_tokenizer=False), tmp_path / "m.nanoqwen")
+    m = engine.load(tmp_path / "m.nanoqwen")
+    assert m.lm_head is m.embed_tokens
+    config, weights = dequantized_weights(tmp_path / "m.nanoqwen")
+    assert "lm_head.weight" not in weights
+    check_decode_equals_prefill(m, (config, weights), np.arange(1, 20), "tied L=19")

@@ -1,0 +1,224 @@
+"""Unit rung: every Backend op against its float64 `ref_*`, shapes and values drawn by Hypothesis.
+
+Each test reads the same way: draw inputs (rounded to their storage dtype), `ref = ref_op(...)` in
+float64, `plain = ref_op(..., dtype=float32)` rounded to the output dtype (the noise floor), `out =
+backend.op(...)` into a sentinel-filled buffer, `assert_close(op, out, ref, plain)` with TOL.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from engine.formats import get_format
+from fixtures.strategies import (PAGE_BOUNDARY_LENGTHS, PagedCase, fp16, linear_shapes, make_page_table,
+                                 paged_cases, quantizable_weight, rng_for, seeds)
+from ladder.compare import assert_close, assert_equal
+from ladder.harness import dev, host, quantized, sentinel
+from reference import ops as R
+
+INT4 = get_format("int4_sym_g128")
+F16, F32 = np.float16, np.float32
+
+
+def _round(a, dtype):
+    return np.asarray(a).astype(dtype)
+
+
+# --- embed ---------------------------------------------------------------------------------------
+
+
+@given(T=st.integers(1, 40), V=st.sampled_from((128, 512, 1000)), H=st.sampled_from((128, 256)), seed=seeds)
+@example(T=1, V=128, H=128, seed=0)
+def test_embed_copies_rows_exactly(backend, T, V, H, seed):
+    rng = rng_for(seed)
+    table = fp16(rng, (V, H))
+    ids = rng.integers(0, V, size=T).astype(np.int32)
+    ids[0] = V - 1  # the last row: an off-by-one in the row stride reads past the table
+    ref = R.ref_embed(ids, table)
+    out = sentinel(backend, (T, H), F32)
+    backend.embed(dev(backend, ids), dev(backend, table), out)
+    assert_close("embed", host(backend, out), ref, backend=backend.name, case=f"T={T},V={V},H={H}", seed=seed)
+
+
+# --- rmsnorm -------------------------------------------------------------------------------------
+
+
+@given(T=st.integers(1, 20), H=st.sampled_from((128, 256, 896, 3584)), eps=st.sampled_from((1e-6, 1e-5)),
+       kind=st.sampled_from(("normal", "constant_rows", "large", "tiny")), seed=seeds)
+@example(T=1, H=3584, eps=1e-6, kind="normal", seed=0)
+@example(T=3, H=128, eps=1e-6, kind="constant_rows", seed=1)
+def test_rmsnorm_matches_reference_within_noise_floor(backend, T, H, eps, kind, seed):
+    rng = rng_for(seed)
+    scale = {"normal": 1.0, "constant_rows": 1.0, "large": 3e3, "tiny": 1e-3}[kind]
+    x = (rng.standard_normal((T, H)) * scale).astype(F32)
+    if kind == "constant_rows":
+        x[:] = x[:, :1]  # every element equal: the output is weight * sign(x) up to eps
+    w = fp16(rng, (H,), 0.5) + F16(1.0)
+    ref = R.ref_rmsnorm(x, w, eps)
+    plain = _round(R.ref_rmsnorm(x, w, eps, dtype=F32), F16)
+    out = sentinel(backend, (T, H), F16)
+    backend.rmsnorm(dev(backend, x), dev(backend, w), eps, out)
+    assert_close("rmsnorm", host(backend, out), ref, plain, backend=backend.name, case=f"T={T},H={H},{kind}", seed=seed)
+
+
+# --- quantized linears ---------------------------------------------------------------------------
+
+
+@given(shape=linear_shapes(), seed=seeds)
+@example(shape=(1, 128, 8, 0), seed=0)
+def test_qkv_proj_int4_with_bias(backend, shape, seed):
+    T, in_f, out_f, _ = shape
+    rng = rng_for(seed)
+    x = fp16(rng, (T, in_f))
+    w = quantizable_weight(rng, out_f, in_f)
+    bias = fp16(rng, (out_f,), 0.5)
+    qw, t = quantized(backend, INT4, w)
+    wref = R.ref_dequant_int4_sym_g128(t["qweight"], t["scales"])
+    ref = R.ref_linear(x, wref, bias)
+    plain = _round(R.ref_linear(x, wref, bias, dtype=F32), F16)
+    out = sentinel(backend, (T, out_f), F16)
+    backend.qkv_proj(dev(backend, x), qw, dev(backend, bias), out)
+    assert_close("qkv_proj", host(backend, out), ref, plain, backend=backend.name, case=f"T={T},in={in_f},out={out_f}", seed=seed)
+
+
+@pytest.mark.parametrize("op", ["o_proj_residual", "down_residual"])
+@given(shape=linear_shapes(), seed=seeds)
+@example(shape=(1, 512, 128, 0), seed=0)
+def test_linear_residual_adds_into_fp32_stream(backend, op, shape, seed):
+    T, in_f, out_f, _ = shape
+    rng = rng_for(seed)
+    x = fp16(rng, (T, in_f))
+    w = quantizable_weight(rng, out_f, in_f)
+    resid = (rng.standard_normal((T, out_f)) * 4).astype(F32)
+    qw, t = quantized(backend, INT4, w)
+    wref = R.ref_dequant_int4_sym_g128(t["qweight"], t["scales"])
+    ref = resid + R.ref_linear(x, wref)
+    plain = resid + R.ref_linear(x, wref, dtype=F32)
+    out = dev(backend, resid.copy())
+    getattr(backend, op)(dev(backend, x), qw, out)
+    assert_close(op, host(backend, out), ref, plain, backend=backend.name, case=f"T={T},in={in_f},out={out_f}", seed=seed)
+
+
+@given(T=st.integers(1, 6), H=st.sampled_from((128, 256, 384)), inter=st.sampled_from((128, 256, 768)), seed=seeds)
+@example(T=1, H=128, inter=128, seed=0)
+def test_gate_up_silu_fused(backend, T, H, inter, seed):
+    rng = rng_for(seed)
+    x = fp16(rng, (T, H))
+    w = quantizable_weight(rng, 2 * inter, H, scale=0.1)  # rows [gate; up]
+    qw, t = quantized(backend, INT4, w)
+    wref = R.ref_dequant_int4_sym_g128(t["qweight"], t["scales"])
+    ref = R.ref_gate_up_silu(x, wref[:inter], wref[inter:])
+    plain = _round(R.ref_gate_up_silu(x, wref[:inter], wref[inter:], dtype=F32), F16)
+    out = sentinel(backend, (T, inter), F16)
+    backend.gate_up_silu(dev(backend, x), qw, out)
+    assert_close("gate_up_silu", host(backend, out), ref, plain, backend=backend.name, case=f"T={T},H={H},I={inter}", seed=seed)
+
+
+# --- RoPE and the KV page write ------------------------------------------------------------------
+
+
+@given(T=st.integers(1, 20), start=st.one_of(st.just(0), st.sampled_from((15, 16, 31)), st.integers(0, 3000)),
+       nkv=st.sampled_from((1, 2, 4)), ratio=st.sampled_from((1, 2, 7)), d=st.sampled_from((64, 128)),
+       theta=st.sampled_from((1e4, 1e6)), layout=st.sampled_from(("contiguous", "shuffled", "sparse")), seed=seeds)
+@example(T=1, start=0, nkv=1, ratio=1, d=64, theta=1e4, layout="contiguous", seed=0)
+@example(T=3, start=15, nkv=4, ratio=7, d=128, theta=1e6, layout="shuffled", seed=1)
+def test_rope_kv_write_rotates_and_writes_only_its_slots(backend, T, start, nkv, ratio, d, theta, layout, seed):
+    rng = rng_for(seed)
+    nq = nkv * ratio
+    qkv = fp16(rng, (T, (nq + 2 * nkv) * d), 2.0)
+    positions = np.arange(start, start + T, dtype=np.int32)
+    table, num_pages = make_page_table(rng, -(-(start + T) // 16), layout)
+    pages_shape = (num_pages, nkv, 16, d)
+    q_in = qkv[:, : nq * d].reshape(T, nq, d)
+    k_in = qkv[:, nq * d: (nq + nkv) * d].reshape(T, nkv, d)
+    v_in = qkv[:, (nq + nkv) * d:].reshape(T, nkv, d)
+    ref_q, ref_k = R.ref_rope(q_in, positions, theta), R.ref_rope(k_in, positions, theta)
+    plain_q = _round(R.ref_rope(q_in, positions, theta, dtype=F32), F16)
+    plain_k = _round(R.ref_rope(k_in, positions, theta, dtype=F32), F16)
+
+    k_pages, v_pages = sentinel(backend, pages_shape, F16), sentinel(backend, pages_shape, F16)
+    q_out = sentinel(backend, (T, nq, d), F16)
+    backend.rope_kv_write(dev(backend, qkv), dev(backend, positions), k_pages, v_pages, dev(backend, table), theta, q_out)
+    kp, vp = host(backend, k_pages), host(backend, v_pages)
+    case = f"T={T},start={start},nq={nq},nkv={nkv},d={d},theta={theta:g},{layout}"
+    assert_close("rope_q", host(backend, q_out), ref_q, plain_q, backend=backend.name, case=case, seed=seed, tol_op="rope_kv_write")
+    slots = (table[positions // 16], positions % 16)
+    k_written = np.stack([kp[p, :, s] for p, s in zip(*slots)])
+    v_written = np.stack([vp[p, :, s] for p, s in zip(*slots)])
+    assert_close("rope_k", k_written, ref_k, plain_k, backend=backend.name, case=case, seed=seed, tol_op="rope_kv_write")
+    assert_equal("kv_write_v", v_written, v_in, backend=backend.name, case=case, seed=seed)
+    written = np.zeros(kp.shape[:1] + kp.shape[2:3], dtype=bool)  # [page, slot]
+    written[slots] = True
+    assert np.isnan(kp.transpose(0, 2, 1, 3)[~written]).all(), f"rope_kv_write[{case}] wrote K outside its {T} slots"
+    assert np.isnan(vp.transpose(0, 2, 1, 3)[~written]).all(), f"rope_kv_write[{case}] wrote V outside its {T} slots"
+
+
+# --- paged attention -----------------------------------------------------------------------------
+
+
+def _check_attention(backend, op: str, c: PagedCase):
+    ref = R.ref_paged_attention(c.q, c.k_pages, c.v_pages, c.page_table, c.positions)
+    plain = _round(R.ref_paged_attention(c.q, c.k_pages, c.v_pages, c.page_table, c.positions, dtype=F32), F16)
+    out = sentinel(backend, (c.T, c.nq * c.d), F16)
+    getattr(backend, op)(*dev(backend, c.q, c.k_pages, c.v_pages, c.page_table, c.positions), out)
+    assert_close(op, host(backend, out), ref, plain, backend=backend.name, case=str(c), seed=c.seed, tol_op="attention")
+
+
+@given(c=paged_cases(decode=True))
+@example(c=PagedCase.build(0, 1, 1, 1, 1, 64, "contiguous"))  # position 0: one key
+@example(c=PagedCase.build(1, 16, 1, 28, 4, 128, "shuffled"))  # a full page, the 7B head layout
+@example(c=PagedCase.build(2, 17, 1, 8, 2, 64, "sparse"))  # one slot into a second page
+@example(c=PagedCase.build(3, 33, 1, 6, 1, 128, "shuffled"))
+@example(c=PagedCase.build(4, 32, 1, 7, 1, 64, "shuffled", 4.0))  # large scores
+def test_attention_decode_reads_exactly_the_valid_keys(backend, c):
+    _check_attention(backend, "attention_decode", c)
+
+
+@given(c=paged_cases(decode=False))
+@example(c=PagedCase.build(0, 1, 1, 2, 1, 64, "contiguous"))
+@example(c=PagedCase.build(1, 17, 17, 4, 2, 64, "shuffled"))  # whole prompt, crossing a page
+@example(c=PagedCase.build(2, 33, 3, 14, 2, 64, "sparse"))  # a chunk after a cached prefix
+@example(c=PagedCase.build(3, 48, 32, 28, 4, 128, "shuffled"))
+def test_attention_prefill_is_causal_over_pages(backend, c):
+    _check_attention(backend, "attention_prefill", c)
+
+
+@pytest.mark.parametrize("L", PAGE_BOUNDARY_LENGTHS)
+def test_attention_decode_at_every_page_edge(backend, L):
+    for nkv, ratio, d in ((2, 2, 64), (4, 7, 128)):
+        _check_attention(backend, "attention_decode", PagedCase.build(L, L, 1, nkv * ratio, nkv, d, "shuffled"))
+
+
+# --- lm_head and argmax --------------------------------------------------------------------------
+
+
+@given(V=st.sampled_from((128, 512, 1000, 4096)), H=st.sampled_from((128, 256)), seed=seeds)
+@example(V=128, H=128, seed=0)
+def test_lm_head_fp16_weight_fp32_logits(backend, V, H, seed):
+    rng = rng_for(seed)
+    x = fp16(rng, (1, H))
+    w = fp16(rng, (V, H), 0.2)
+    ref = R.ref_lm_head(x, w)
+    plain = R.ref_lm_head(x, w, dtype=F32)
+    out = sentinel(backend, (1, V), F32)
+    backend.lm_head(dev(backend, x), dev(backend, w), out)
+    assert_close("lm_head", host(backend, out), ref, plain, backend=backend.name, case=f"V={V},H={H}", seed=seed)
+
+
+@given(V=st.sampled_from((1, 2, 128, 1000, 152064)), ties=st.integers(0, 5), seed=seeds)
+@example(V=152064, ties=3, seed=0)
+@example(V=1000, ties=0, seed=1)
+def test_argmax_lowest_index_wins_a_tie(backend, V, ties, seed):
+    rng = rng_for(seed)
+    logits = rng.standard_normal(V).astype(F32)
+    if ties and V > 1:
+        at = rng.choice(V, size=min(ties + 1, V), replace=False)
+        logits[at] = logits.max() + 1.0  # several equal maxima
+    ref = R.ref_argmax(logits)
+    out = sentinel(backend, (1,), np.int32)
+    backend.argmax(dev(backend, logits), out)
+    assert_equal("argmax", host(backend, out), np.array([ref], dtype=np.int32), backend=backend.name,
+                 case=f"V={V},ties={ties}", seed=seed)
