@@ -37,6 +37,12 @@ def pytest_addoption(parser):
                 help="engine backend under test (default: numpy, plus cuda when a GPU is present)")
     g.addoption("--require-backend", action="append", default=[], choices=list(BACKENDS),
                 help="fail, instead of skipping, when this backend cannot run here (repeatable)")
+    g.addoption("--model", default=None, metavar="FILE|HF_DIR",
+                help="model under test for the layer and graph rungs: a .nanoqwen file or a Hugging Face "
+                     "folder (converted once, cached); default: the embedded default model")
+    g.addoption("--prompts", default=None, metavar="FILE",
+                help="graph-rung prompts, JSON lines with 'id' and 'ids' (token ids) or 'text'; "
+                     "default: the fixture prompt file of the default model")
 
 
 def selected_backends(config) -> list[str]:
@@ -97,6 +103,14 @@ def backend(request, backend_name):
                 pytest.skip(msg)
         _BACKENDS[backend_name] = get_backend(backend_name)
     return _BACKENDS[backend_name]
+
+
+@pytest.fixture(scope="session")
+def model_path(request, tmp_path_factory) -> Path:
+    """The .nanoqwen file under test (--model, else the embedded default model)."""
+    from ladder.models import resolve_model
+
+    return resolve_model(request.config.getoption("--model"))
 
 
 @pytest.hookimpl(hookwrapper=True)
