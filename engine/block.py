@@ -7,25 +7,10 @@ The model runs this for every layer; the layer rung runs it alone against Huggin
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import numpy as np
 
 from engine.config import Qwen2Config
-
-
-@dataclass
-class LayerWeights:
-    """One layer as a backend holds it. q/k/v and gate/up are fused at load (rows [q; k; v], [gate; up])."""
-
-    input_layernorm: Any  # fp16 [H]
-    qkv: Any  # QuantizedWeight [(nq + 2 nkv) d, H]
-    qkv_bias: Any  # fp16 [(nq + 2 nkv) d]
-    o_proj: Any  # QuantizedWeight [H, nq d]
-    post_attention_layernorm: Any  # fp16 [H]
-    gate_up: Any  # QuantizedWeight [2 I, H]
-    down: Any  # QuantizedWeight [H, I]
+from engine.weights import LayerWeights
 
 
 class Workspace:

@@ -19,7 +19,7 @@ import numpy as np
 from engine.config import Qwen2Config
 from engine.errors import NanoqwenError
 from engine.formats import get_format
-from engine.model import linear_names, plain_tensor_specs
+from engine.weights import linear_names, plain_tensor_specs
 from engine.modelfile import PendingTensor, write_model
 
 
