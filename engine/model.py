@@ -21,54 +21,14 @@ from typing import Callable
 
 import numpy as np
 
-from engine.block import LayerWeights, Workspace, decoder_block
+from engine.block import Workspace, decoder_block
 from engine.config import PAGE_SIZE, Qwen2Config
 from engine.errors import ConfigError, HeaderError, PromptTooLongError, TokenIdError, UnknownFormatError
 from engine.formats import get_format
 from engine.kv_cache import PagedKVCache, Sequence
+from engine.weights import LayerWeights, load_layer_weights, plain_tensor_specs
 
 DEFAULT_CACHE_TOKENS = 4096
-
-
-def linear_names(config: Qwen2Config, layer: int) -> dict[str, tuple[int, int]]:
-    """HF name (without `.weight`) -> (out_features, in_features) of each quantized linear in a layer."""
-    c, p = config, f"model.layers.{layer}."
-    return {
-        p + "self_attn.q_proj": (c.q_size, c.hidden_size),
-        p + "self_attn.k_proj": (c.kv_size, c.hidden_size),
-        p + "self_attn.v_proj": (c.kv_size, c.hidden_size),
-        p + "self_attn.o_proj": (c.hidden_size, c.q_size),
-        p + "mlp.gate_proj": (c.intermediate_size, c.hidden_size),
-        p + "mlp.up_proj": (c.intermediate_size, c.hidden_size),
-        p + "mlp.down_proj": (c.hidden_size, c.intermediate_size),
-    }
-
-
-def plain_tensor_specs(config: Qwen2Config) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Every fp16 tensor (embeddings, norms, biases, lm_head) the model file must hold."""
-    c = config
-    specs = {"model.embed_tokens.weight": ("float16", (c.vocab_size, c.hidden_size)),
-             "model.norm.weight": ("float16", (c.hidden_size,))}
-    if not c.tie_word_embeddings:
-        specs["lm_head.weight"] = ("float16", (c.vocab_size, c.hidden_size))
-    for i in range(c.num_hidden_layers):
-        p = f"model.layers.{i}."
-        specs[p + "input_layernorm.weight"] = ("float16", (c.hidden_size,))
-        specs[p + "post_attention_layernorm.weight"] = ("float16", (c.hidden_size,))
-        specs[p + "self_attn.q_proj.bias"] = ("float16", (c.q_size,))
-        specs[p + "self_attn.k_proj.bias"] = ("float16", (c.kv_size,))
-        specs[p + "self_attn.v_proj.bias"] = ("float16", (c.kv_size,))
-    return specs
-
-
-def quantized_tensor_specs(config: Qwen2Config, quant: str) -> dict[str, tuple[str, tuple[int, ...]]]:
-    fmt = get_format(quant)
-    specs = {}
-    for i in range(config.num_hidden_layers):
-        for name, (out_f, in_f) in linear_names(config, i).items():
-            for suffix, spec in fmt.tensor_specs(out_f, in_f).items():
-                specs[name + suffix] = spec
-    return specs
 
 
 @dataclass
@@ -87,37 +47,13 @@ class Model:
             backend = get_backend(backend)
         self.config, self.quant, self.backend = config, quant, backend
         self.tokenizer_json = tokenizer_json
-        be, c, fmt = backend, config, get_format(quant)
-
-        def linear(names: list[str], in_f: int):
-            # Fuse by stacking rows: [q; k; v] or [gate; up]. Row-major storage makes this a concat.
-            parts, out_total = {}, 0
-            for name in names:
-                out_f = linear_names(c, int(name.split(".")[2]))[name][0]
-                out_total += out_f
-                for suffix, (dtype, shape) in fmt.tensor_specs(out_f, in_f).items():
-                    parts.setdefault(suffix.lstrip("."), []).append(get(name + suffix, dtype, shape))
-            tensors = {k: np.concatenate(v, axis=0) for k, v in parts.items()}
-            return be.prepare_linear(quant, tensors, out_total, in_f)
+        be, c = backend, config
 
         def plain(name):
             dtype, shape = plain_tensor_specs(c)[name]
             return be.asarray(get(name, dtype, shape))
 
-        self.layers: list[LayerWeights] = []
-        for i in range(c.num_hidden_layers):
-            p = f"model.layers.{i}."
-            a = p + "self_attn."
-            self.layers.append(LayerWeights(
-                input_layernorm=plain(p + "input_layernorm.weight"),
-                qkv=linear([a + "q_proj", a + "k_proj", a + "v_proj"], c.hidden_size),
-                qkv_bias=be.asarray(np.concatenate([get(a + f"{x}_proj.bias", *plain_tensor_specs(c)[a + f"{x}_proj.bias"])
-                                                    for x in "qkv"])),
-                o_proj=linear([a + "o_proj"], c.q_size),
-                post_attention_layernorm=plain(p + "post_attention_layernorm.weight"),
-                gate_up=linear([p + "mlp.gate_proj", p + "mlp.up_proj"], c.hidden_size),
-                down=linear([p + "mlp.down_proj"], c.intermediate_size),
-            ))
+        self.layers: list[LayerWeights] = [load_layer_weights(be, c, quant, get, i) for i in range(c.num_hidden_layers)]
         self.embed_tokens = plain("model.embed_tokens.weight")
         self.norm = plain("model.norm.weight")
         self.lm_head = self.embed_tokens if c.tie_word_embeddings else plain("lm_head.weight")
@@ -128,6 +64,7 @@ class Model:
         self._final_h = be.empty((1, c.hidden_size), np.float16)
         self._logits = be.empty((c.vocab_size,), np.float32)
         self._next = be.empty((1,), np.int32)
+        self._graph = None  # engine/cuda_graph.DecodeGraph once enable_cuda_graph() is called
 
     # --- the forward pass ----------------------------------------------------------------------
 
@@ -151,18 +88,23 @@ class Model:
         return ids.astype(np.int32)
 
     def _run(self, seq: Sequence, ids: np.ndarray, ws: Workspace):
-        be, c = self.backend, self.config
+        be = self.backend
         T = len(ids)
         seq.reserve(T)
         ws.ids[...] = be.asarray(ids)
         ws.positions[...] = be.asarray(np.arange(seq.length, seq.length + T, dtype=np.int32))
+        self._forward(ws, seq.page_table, T)
+        seq.length += T
+        return self._logits
+
+    def _forward(self, ws: Workspace, page_table, T: int) -> None:
+        """Device work only (embed, blocks, final norm, lm_head): what engine/cuda_graph.py captures."""
+        be, c = self.backend, self.config
         be.embed(ws.ids, self.embed_tokens, ws.residual)
         for i, w in enumerate(self.layers):
-            decoder_block(be, c, w, ws, self.cache.k[i], self.cache.v[i], seq.page_table, decode=T == 1)
-        seq.length += T
+            decoder_block(be, c, w, ws, self.cache.k[i], self.cache.v[i], page_table, decode=T == 1)
         be.rmsnorm(ws.residual[T - 1: T], self.norm, c.rms_norm_eps, self._final_h)
         be.lm_head(self._final_h, self.lm_head, self._logits)
-        return self._logits
 
     def prefill(self, seq: Sequence, ids) -> np.ndarray:
         """Run the prompt through the model; returns the last position's fp32 logits (host copy)."""
@@ -175,7 +117,18 @@ class Model:
     def decode_step(self, seq: Sequence, token_id: int) -> np.ndarray:
         """One token through the model at position seq.length; returns fp32 logits (host copy)."""
         ids = self.check_ids([token_id])
+        if self._graph is not None:
+            return self.backend.to_numpy(self._graph.step(seq, ids)).copy()
         return self.backend.to_numpy(self._run(seq, ids, self._decode_ws)).copy()
+
+    def enable_cuda_graph(self, enabled: bool = True) -> None:
+        """Run decode_step as one captured CUDA graph per token (cuda backend; engine/cuda_graph.py)."""
+        if not enabled:
+            self._graph = None
+            return
+        from engine.cuda_graph import DecodeGraph
+
+        self._graph = DecodeGraph(self)
 
     def generate(self, prompt_ids, max_new_tokens: int, stop_ids=(), timings: Timings | None = None) -> list[int]:
         """Greedy decoding: the new token ids (stopping after a stop id, which is included)."""
@@ -191,7 +144,7 @@ class Model:
         out: list[int] = []
         try:
             t0 = time.perf_counter()
-            logits = self.prefill(seq, ids)
+            self.prefill(seq, ids)
             if timings is not None:
                 timings.prefill_s = time.perf_counter() - t0
             while len(out) < max_new_tokens:
@@ -200,7 +153,7 @@ class Model:
                 if token in stop or len(out) == max_new_tokens:
                     break
                 t0 = time.perf_counter()
-                logits = self.decode_step(seq, token)
+                self.decode_step(seq, token)
                 if timings is not None:
                     timings.decode_s.append(time.perf_counter() - t0)
         finally:
