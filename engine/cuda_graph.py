@@ -1,0 +1,102 @@
+"""The decode step as a captured CUDA graph (cuda backend only).
+
+    model = engine.load(path, backend="cuda")
+    model.enable_cuda_graph()          # decode_step now replays one graph per token
+    logits = model.decode_step(seq, token_id)
+
+What is captured: `Model._forward` for one token (embed, every decoder block, final norm, lm_head) and
+the argmax into `model._next`, so the next token id stays on the device. What is not: the host-side
+page allocation (`seq.reserve`) and the three input copies into fixed device buffers (token id,
+position, page table), which run on the graph's stream just before each replay. The kernels read the
+position and the page table from those buffers, so one graph serves every position and page boundary.
+
+The graph is captured again when what it baked in changes: the ops bound on the backend (the ladder
+wraps one to plant a fault or capture activations; a wrapper is a different object), the KV cache
+(`Model.use_cache`) or the layer weights. Before each capture the step runs once eagerly on the same
+inputs (idempotent: it writes the same K/V slot and logits), so every scratch buffer exists and no
+allocation happens inside the capture. A wrapper that cannot be captured (one that copies to the
+host, say) raises GraphCaptureError; turn the graph off with `model.enable_cuda_graph(False)` for it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# Every backend op the decode step calls; a change to any of them invalidates the graph.
+DECODE_OPS = ("embed", "rmsnorm", "qkv_proj", "rope_kv_write", "attention_decode", "o_proj_residual",
+              "gate_up_silu", "down_residual", "lm_head", "argmax")
+
+
+class GraphCaptureError(RuntimeError):
+    """The decode step could not be captured as a CUDA graph."""
+
+
+class DecodeGraph:
+    def __init__(self, model):
+        if getattr(model.backend, "name", None) != "cuda":
+            raise ValueError(f"CUDA graphs need the cuda backend, not {getattr(model.backend, 'name', model.backend)!r}")
+        import cupy  # only on the cuda backend, which already imported it
+
+        self._cp = cupy
+        self.model = model
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.graph = None
+        self._key = None
+        self._page_table = None
+        self.captures = 0  # how many times the step was captured (tests check invalidation with it)
+
+    def _bindings(self):
+        m = self.model
+        be, cache = m.backend, m.cache
+        return (tuple(getattr(be, name) for name in DECODE_OPS),
+                id(cache), tuple(a.data.ptr for a in (*cache.k, *cache.v)),
+                tuple(id(w) for w in m.layers), id(m.embed_tokens), id(m.norm), id(m.lm_head))
+
+    def _body(self):
+        m = self.model
+        m._forward(m._decode_ws, self._page_table, 1)
+        m.backend.argmax(m._logits, m._next)
+
+    def _capture(self):
+        s = self.stream
+        self.graph = None
+        self._body()  # eager warm-up on the same inputs: compiles nothing new, allocates scratch
+        s.synchronize()
+        try:
+            s.begin_capture()
+            self._body()
+            graph = s.end_capture()
+        except Exception as e:
+            if s.is_capturing():
+                try:
+                    s.end_capture()
+                except Exception:
+                    pass  # the capture is already invalid; ending it only discards it
+            raise GraphCaptureError(f"could not capture the decode step as a CUDA graph ({type(e).__name__}: {e}); "
+                                    "an op wrapper that copies to the host cannot be captured: call "
+                                    "model.enable_cuda_graph(False) to run it eagerly") from e
+        self.graph = graph
+        self.captures += 1
+
+    def step(self, seq, ids: np.ndarray):
+        """One token through the model at position seq.length; returns the device logits (fp32 [V])."""
+        cp, m = self._cp, self.model
+        ws = m._decode_ws
+        seq.reserve(1)
+        with self.stream:
+            # Prefill and page-table updates ran on the legacy default stream; this stream does not
+            # synchronise with it implicitly (non-blocking), so wait for it explicitly.
+            self.stream.wait_event(cp.cuda.Stream.null.record())
+            if self._page_table is None or self._page_table.shape != seq.page_table.shape:
+                self._page_table = cp.empty(seq.page_table.shape, dtype=np.int32)
+            ws.ids[...] = cp.asarray(np.asarray(ids, dtype=np.int32))
+            ws.positions[...] = cp.asarray(np.array([seq.length], dtype=np.int32))
+            self._page_table[...] = seq.page_table
+            key = self._bindings() + (self._page_table.data.ptr,)
+            if self.graph is None or key != self._key:
+                self._capture()
+                self._key = key
+            self.graph.launch(self.stream)
+            self.stream.synchronize()
+        seq.length += 1
+        return m._logits

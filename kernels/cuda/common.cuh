@@ -1,0 +1,141 @@
+// common.cuh: device helpers shared by every kernel of the CUDA backend (kernels/cuda/*.cu).
+//
+// Header-free on purpose: fp16 values travel as raw 16-bit patterns (unsigned short) and pairs of them
+// as 32-bit words, converted with PTX `cvt`, so the same source compiles under NVRTC (cupy.RawModule,
+// which may not find cuda_fp16.h) and under nvcc (the CPU-side compile test) without include paths.
+// The loader pastes this file in place of `#include "common.cuh"` so that CuPy's kernel cache, which
+// hashes the source text it is given, sees every change made here.
+//
+// Mirrors kernels/numpy/int4.py (the unpack) and the fp32-accumulation contract of DESIGN.md.
+#pragma once
+
+typedef unsigned int u32;
+typedef unsigned short f16_bits;  // one IEEE fp16 value, bit pattern
+
+#define WARP 32
+#define FULL_MASK 0xffffffffu
+
+__device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+__device__ __forceinline__ float quiet_nan() { return __int_as_float(0x7fc00000); }
+
+// ---- fp16 <-> fp32 (round to nearest even on the way down, as NumPy's astype(float16)) ----------
+
+__device__ __forceinline__ float h2f(f16_bits h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ f16_bits f2h(float f) {
+    f16_bits h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// A 32-bit word holding two fp16 (low half = element 0) -> two floats.
+__device__ __forceinline__ void h2x2f(u32 w, float& lo, float& hi) {
+    asm("{ .reg .b16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h; }"
+        : "=f"(lo), "=f"(hi) : "r"(w));
+}
+
+// ---- INT4 int4_sym_g128 (ValueShuffle) unpack -----------------------------------------------------
+//
+// qweight is uint32 [out, in/8]; word j of a row holds elements 8j .. 8j+7 (docs/FORMAT.md):
+//
+//     bit   31..28  27..24  23..20  19..16  15..12  11..8   7..4    3..0
+//          +-------+-------+-------+-------+-------+-------+-------+-------+
+//          |  e7   |  e5   |  e3   |  e1   |  e6   |  e4   |  e2   |  e0   |
+//          +-------+-------+-------+-------+-------+-------+-------+-------+
+//     nibble   7       6       5       4       3       2       1       0
+//
+//     nibble k holds element 8j + (0, 2, 4, 6, 1, 3, 5, 7)[k]
+//     (word >> 4k) & 0x000F000F  ->  element 2k in bits 0..3, element 2k+1 in bits 16..19:
+//     the pair (2k, 2k+1) in the two 16-bit halves, one OR with 0x6400 away from a half2.
+//
+// Why 0x6400: it is fp16 1024.0, whose ulp is exactly 1, so OR-ing a nibble n (0..15) into its
+// mantissa gives the fp16 value 1024 + n exactly. One lop3 does mask-and-or for both halves at once;
+// subtracting 1032 (= 1024 + the zero point 8, fp16 0x6408) in half2 leaves n - 8 exactly (-8..7).
+// The pair (2k, 2k+1) matches two consecutive fp16 activations, i.e. one 32-bit word of x, so a
+// 16-byte load of x (8 halves, 4 words) lines up with one qweight word's 4 pairs.
+
+// q[k] = half2 (element 2k - 8, element 2k+1 - 8) of `word`, k = 0..3.
+__device__ __forceinline__ void unpack_int4_pairs(u32 word, u32 (&q)[4]) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        u32 t;
+        // lop3 LUT 0xEA = (a & b) | c  with a = word >> 4k, b = 0x000F000F, c = 0x64006400
+        asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(t) : "r"(word >> (4 * k)), "r"(0x000F000Fu), "r"(0x64006400u));
+        asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(q[k]) : "r"(t), "r"(0x64086408u));
+    }
+}
+
+// fp32 dot product of one qweight word's 8 values (nibble - 8, unscaled) with 8 fp16 activations
+// held as 4 words (pair k of x is word k). Products and sums in fp32 (the precision contract).
+__device__ __forceinline__ float dot_int4_word(u32 word, const u32 (&x)[4], float acc) {
+    u32 q[4];
+    unpack_int4_pairs(word, q);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        float q0, q1, x0, x1;
+        h2x2f(q[k], q0, q1);
+        h2x2f(x[k], x0, x1);
+        acc = fmaf(q0, x0, acc);
+        acc = fmaf(q1, x1, acc);
+    }
+    return acc;
+}
+
+// fp32 dot product of 8 fp16 weights (4 words) with 8 fp16 activations (4 words).
+__device__ __forceinline__ float dot_f16x8(const u32 (&w)[4], const u32 (&x)[4], float acc) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        float w0, w1, x0, x1;
+        h2x2f(w[k], w0, w1);
+        h2x2f(x[k], x0, x1);
+        acc = fmaf(w0, x0, acc);
+        acc = fmaf(w1, x1, acc);
+    }
+    return acc;
+}
+
+__device__ __forceinline__ void uint4_words(const uint4& v, u32 (&w)[4]) {
+    w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+}
+
+// ---- reductions -------------------------------------------------------------------------------
+// Butterfly (xor) shuffles: a fixed tree, so the result does not depend on timing (determinism).
+// Every lane of the warp must call these (full mask).
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+
+// Sum / max over aligned groups of 16 lanes (one KV page's 16 slots); all 32 lanes must call.
+__device__ __forceinline__ float half_warp_sum(float v) {
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float half_warp_max(float v) {
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
+    return v;
+}
+
+// Block-wide sum for blockDim.x a multiple of 32 (<= 1024). `scratch` holds >= 32 floats. Every
+// thread gets the result. The first barrier makes all warp partials visible; the last one stops a
+// later call from overwriting `scratch` while a slow warp is still reading it.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, nwarps = blockDim.x / WARP;
+    v = warp_sum(v);
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float t = lane < nwarps ? scratch[lane] : 0.0f;
+    t = warp_sum(t);
+    __syncthreads();
+    return t;
+}

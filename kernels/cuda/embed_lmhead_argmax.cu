@@ -1,0 +1,99 @@
+// embed_lmhead_argmax.cu: the ends of the model. Token embedding (fp16 table -> fp32 residual), the
+// fp16 lm_head GEMV (fp32 logits), and the on-device argmax (lowest index wins a tie).
+// Mirrors NumpyBackend.embed / lm_head / argmax.
+#include "common.cuh"
+
+// out[t, :] = float(table[ids[t], :]). An id outside [0, V) writes NaN rather than reading out of
+// bounds: the engine checks ids on the host, so this only fires on a bug, and it fails loudly.
+extern "C" __global__ void embed_f16_f32(const int* __restrict__ ids, const f16_bits* __restrict__ table,
+                                         float* __restrict__ out, int V, int H) {
+    const int t = blockIdx.x;
+    const int id = ids[t];
+    const bool ok = id >= 0 && id < V;
+    for (int i = threadIdx.x; i < H; i += blockDim.x)
+        out[(size_t)t * H + i] = ok ? h2f(table[(size_t)id * H + i]) : quiet_nan();
+}
+
+#define LM_WARPS 4
+#define LM_ROWS 4  // vocab rows per warp: each 16-byte chunk of x is loaded once for four rows
+
+// out[t, v] = sum_h x[t, h] * w[v, h] in fp32. x fp16 [T, H], w fp16 [V, H], H % 8 == 0.
+// A lane takes 16-byte chunks (8 fp16) of the row; the warp reads 512 consecutive bytes per step.
+extern "C" __global__ void lm_head_f16_f32(const f16_bits* __restrict__ x, const f16_bits* __restrict__ w,
+                                           float* __restrict__ out, int V, int H) {
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, t = blockIdx.y;
+    const int row0 = (blockIdx.x * LM_WARPS + warp) * LM_ROWS;
+    if (row0 >= V) return;  // whole warp: shuffles stay full-mask
+    const int chunks = H / 8;
+    const uint4* xv = reinterpret_cast<const uint4*>(x + (size_t)t * H);
+    float acc[LM_ROWS];
+    int row[LM_ROWS];
+#pragma unroll
+    for (int a = 0; a < LM_ROWS; ++a) {
+        acc[a] = 0.0f;
+        row[a] = imin(row0 + a, V - 1);  // clamped rows load in bounds and are not stored
+    }
+    for (int c = lane; c < chunks; c += WARP) {
+        u32 xw[4];
+        uint4_words(__ldg(xv + c), xw);
+#pragma unroll
+        for (int a = 0; a < LM_ROWS; ++a) {
+            u32 ww[4];
+            uint4_words(__ldg(reinterpret_cast<const uint4*>(w + (size_t)row[a] * H) + c), ww);
+            acc[a] = dot_f16x8(ww, xw, acc[a]);
+        }
+    }
+#pragma unroll
+    for (int a = 0; a < LM_ROWS; ++a) acc[a] = warp_sum(acc[a]);
+    if (lane == 0) {
+#pragma unroll
+        for (int a = 0; a < LM_ROWS; ++a)
+            if (row0 + a < V) out[(size_t)t * V + row0 + a] = acc[a];
+    }
+}
+
+// (v, i) beats (bv, bi)? NaN beats every number (NumPy's argmax returns the first NaN); among
+// equal values (or two NaNs) the lower index wins. This total order makes the result independent of
+// which thread saw which element first.
+__device__ __forceinline__ bool argmax_better(float v, int i, float bv, int bi) {
+    const bool vn = v != v, bn = bv != bv;
+    if (vn != bn) return vn;
+    if (vn || v == bv) return i < bi;
+    return v > bv;
+}
+
+#define ARGMAX_THREADS 1024
+
+// out[0] = the lowest index of the maximum of logits[0 .. V). One block: strided scan per thread,
+// then a shuffle tree within warps and one more across the 32 warp winners.
+extern "C" __global__ void argmax_f32_i32(const float* __restrict__ logits, int* __restrict__ out, int V) {
+    __shared__ float sv[WARP];
+    __shared__ int si[WARP];
+    float bv = neg_inf();
+    int bi = 0x7fffffff;
+    for (int i = threadIdx.x; i < V; i += blockDim.x) {
+        const float v = logits[i];
+        if (argmax_better(v, i, bv, bi)) { bv = v; bi = i; }
+    }
+#pragma unroll
+    for (int o = WARP / 2; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(FULL_MASK, bv, o);
+        const int oi = __shfl_xor_sync(FULL_MASK, bi, o);
+        if (argmax_better(ov, oi, bv, bi)) { bv = ov; bi = oi; }
+    }
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    if (lane == 0) { sv[warp] = bv; si[warp] = bi; }
+    __syncthreads();  // every warp's winner is in shared memory before warp 0 reads them
+    if (warp == 0) {
+        const int nwarps = blockDim.x / WARP;
+        bv = lane < nwarps ? sv[lane] : neg_inf();
+        bi = lane < nwarps ? si[lane] : 0x7fffffff;
+#pragma unroll
+        for (int o = WARP / 2; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(FULL_MASK, bv, o);
+            const int oi = __shfl_xor_sync(FULL_MASK, bi, o);
+            if (argmax_better(ov, oi, bv, bi)) { bv = ov; bi = oi; }
+        }
+        if (lane == 0) out[0] = bi;
+    }
+}

@@ -1,0 +1,157 @@
+"""Run the CUDA backend's ops under compute-sanitizer (memcheck, racecheck), after proving it can see.
+
+    python3 -m kernels.cuda.sanitize
+
+First two planted kernels must be flagged, or the script fails (a blind sanitizer cannot pass):
+  - `planted_oob`: each thread writes one element past the end of its array (memcheck);
+  - `planted_divergent_barrier`: a __syncthreads inside a warp-divergent branch, and a shared-memory
+    read of a value another warp wrote with no barrier between them (racecheck).
+Then every op of the backend at small shapes (GEMV and prefill paths, split-K attention with NaN-filled
+free pages, RoPE page writes, lm_head, argmax) must run with no error under both tools.
+
+CuPy's memory pool is turned off in the checked process (`cupy.cuda.set_allocator(None)`): with the pool
+on, an out-of-bounds write lands inside a larger pooled block and memcheck does not see it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ERROR_EXIT = 86  # compute-sanitizer's exit status when it reports an error
+
+PLANTED_SRC = r"""
+extern "C" __global__ void planted_oob(float* a, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) a[i + n] = 1.0f;  // planted: writes a[n .. 2n), past the end of a[n]
+}
+
+extern "C" __global__ void planted_divergent_barrier(float* out) {
+    __shared__ float s[64];
+    const int t = threadIdx.x;  // launched with 64 threads: two warps
+    s[t] = (float)t;
+    if (t < 16) __syncthreads();  // planted: a barrier inside a warp-divergent branch
+    out[t] = s[63 - t];           // reads what the other warp wrote, with no barrier between
+}
+"""
+
+
+def find_sanitizer() -> str | None:
+    found = shutil.which("compute-sanitizer")
+    if found:
+        return found
+    roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        roots.append(str(Path(nvcc).resolve().parent.parent))
+    for root in filter(None, roots):
+        for cand in (Path(root) / "bin" / "compute-sanitizer", Path(root) / "compute-sanitizer" / "compute-sanitizer"):
+            if cand.exists():
+                return str(cand)
+    return None
+
+
+# ---- the checked process ----------------------------------------------------------------------
+
+def child(what: str) -> None:
+    import cupy as cp
+    import numpy as np
+
+    cp.cuda.set_allocator(None)
+    cp.cuda.set_pinned_memory_allocator(None)
+    if what in ("planted_oob", "planted_divergent_barrier"):
+        mod = cp.RawModule(code=PLANTED_SRC, options=("-std=c++17", "--gpu-architecture=sm_90"))
+        if what == "planted_oob":
+            a = cp.zeros(256, dtype=cp.float32)
+            mod.get_function("planted_oob")((1,), (256,), (a, np.int32(256)))
+        else:
+            out = cp.zeros(64, dtype=cp.float32)
+            mod.get_function("planted_divergent_barrier")((1,), (64,), (out,))
+        cp.cuda.Device().synchronize()
+        print("SANITIZE-CHILD-DONE", flush=True)
+        return
+
+    from kernels import get_backend
+    from kernels.cuda.selfcheck import Checker, Report
+
+    rep = Report()
+    c = Checker(get_backend("cuda"), get_backend("numpy"), rep, seed=1)
+    c.embed(3, 100, 128)
+    c.rmsnorm(2, 256, sliced=True)
+    for T in (1, 3):
+        c.linear("qkv_proj", T, 72, 256)
+        c.linear("o_proj_residual", T, 128, 256)
+        c.linear("gate_up_silu", T, 2 * 40, 128)
+        c.linear("down_residual", T, 136, 256)
+    c.rope(1, 4, 2, 64, 17, 4)
+    c.rope(5, 7, 1, 128, 12, 4)
+    for group, d in ((1, 64), (7, 128)):
+        c.attention("decode", group, 2, d, 17)
+        c.attention("decode", group, 2, d, 33, pages_per_split=1)
+        c.attention("prefill", group, 2, d, 17)
+    c.lm_head_argmax(300, 128)
+    cp.cuda.Device().synchronize()
+    bad = rep.failed()
+    if bad:
+        print(f"SANITIZE-CHILD-WRONG-RESULTS {len(bad)}", flush=True)
+        sys.exit(3)
+    print("SANITIZE-CHILD-DONE", flush=True)
+
+
+# ---- the driver --------------------------------------------------------------------------------
+
+def run_under(sanitizer: str, tool: str, what: str) -> tuple[int, str]:
+    cmd = [sanitizer, "--tool", tool, "--error-exitcode", str(ERROR_EXIT), "--print-limit", "10",
+           sys.executable, "-m", "kernels.cuda.sanitize", "--child", what]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2], env=env)
+    return res.returncode, res.stdout + res.stderr
+
+
+def summary_lines(text: str) -> str:
+    keep = [ln for ln in text.splitlines()
+            if re.search(r"ERROR SUMMARY|RACECHECK SUMMARY|Invalid __global__|Race reported|Error: Race|hazard|"
+                         r"SANITIZE-CHILD|Traceback|Error", ln)]
+    return "\n".join("    " + ln for ln in keep[-8:])
+
+
+def main() -> int:
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        child(sys.argv[2])
+        return 0
+    sanitizer = find_sanitizer()
+    if sanitizer is None:
+        print("FAIL: compute-sanitizer not found (looked on PATH, CUDA_HOME, CUDA_PATH, /usr/local/cuda, beside nvcc)")
+        return 2
+    print(f"compute-sanitizer: {sanitizer}")
+    ok = True
+    for tool, what in (("memcheck", "planted_oob"), ("racecheck", "planted_divergent_barrier")):
+        rc, out = run_under(sanitizer, tool, what)
+        # compute-sanitizer exits with ERROR_EXIT when it reported something; the summary line says so too
+        m = re.search(r"(?:ERROR SUMMARY: (\d+) error|RACECHECK SUMMARY: (\d+) hazard)", out)
+        counted = bool(m) and int(m.group(1) or m.group(2) or 0) > 0
+        flagged = rc == ERROR_EXIT or counted
+        ok &= flagged
+        print(f"[{'ok' if flagged else 'FAIL'}] planted {what} under {tool}: "
+              f"{'flagged' if flagged else 'NOT flagged'} (exit {rc})\n{summary_lines(out)}")
+    if not ok:
+        print("FAIL: the sanitizer missed a planted bug; its verdict on the real kernels would mean nothing")
+        return 1
+    for tool in ("memcheck", "racecheck"):
+        rc, out = run_under(sanitizer, tool, "ops")
+        clean = rc == 0 and "SANITIZE-CHILD-DONE" in out
+        ok &= clean
+        print(f"[{'ok' if clean else 'FAIL'}] backend ops under {tool}: {'no errors' if clean else 'ERRORS'} (exit {rc})\n"
+              f"{summary_lines(out)}")
+        if not clean:
+            print(out[-6000:])
+    print("sanitize: PASS" if ok else "sanitize: FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""CPU-side guards for the CUDA backend: every `.cu` compiles for sm_90, and the CPU path never imports CuPy.
+
+The compile test feeds nvcc exactly the text the loader gives NVRTC (common.cuh inlined by
+kernels/cuda/loader.py), so a kernel that does not compile fails here, on a machine without a GPU,
+before it can land. It skips, with the reason, where nvcc is absent.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CUDA_DIR = ROOT / "kernels" / "cuda"
+
+
+def _loader():
+    # By file path: importing the package kernels.cuda would import CuPy, which a CPU machine lacks.
+    spec = importlib.util.spec_from_file_location("_nanoqwen_cuda_loader", CUDA_DIR / "loader.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+LOADER = _loader()
+
+
+def test_every_cu_file_is_a_loaded_module():
+    on_disk = sorted(p.stem for p in CUDA_DIR.glob("*.cu"))
+    assert on_disk == sorted(LOADER.MODULES), "kernels/cuda/loader.py MODULES must list every .cu file"
+
+
+@pytest.mark.parametrize("module", LOADER.MODULES)
+def test_cu_compiles_for_sm90(module, tmp_path):
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc is not on PATH: cannot compile the CUDA kernels on this machine")
+    assert LOADER.entry_points(module), f"{module}.cu has no extern \"C\" __global__ entry point"
+    src = tmp_path / f"{module}.cu"
+    src.write_text(LOADER.source(module))
+    arch = next(o for o in LOADER.OPTIONS if o.startswith("--gpu-architecture=")).split("=", 1)[1]
+    std = next(o for o in LOADER.OPTIONS if o.startswith("-std="))
+    cmd = [nvcc, f"-arch={arch}", std, "--ptx", "-Werror", "all-warnings", str(src), "-o", str(tmp_path / f"{module}.ptx")]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    assert res.returncode == 0, f"nvcc failed on {module}.cu ({' '.join(cmd)}):\n{res.stderr}"
+    ptx = (tmp_path / f"{module}.ptx").read_text()
+    for name in LOADER.entry_points(module):
+        assert f".entry {name}(" in ptx, f"entry point {name} missing from the PTX of {module}.cu"
+
+
+def test_cpu_path_does_not_import_cupy():
+    code = (
+        "import sys, importlib\n"
+        "for m in ('engine', 'engine.model', 'engine.block', 'engine.kv_cache', 'kernels', 'kernels.numpy'):\n"
+        "    importlib.import_module(m)\n"
+        "for m in ('ladder.cli', 'engine.cuda_graph'):\n"
+        "    try:\n"
+        "        importlib.import_module(m)\n"
+        "    except ModuleNotFoundError as e:\n"
+        "        if e.name != m: raise\n"
+        "import kernels\n"
+        "kernels.get_backend('numpy')\n"
+        "bad = sorted(m for m in sys.modules if m == 'cupy' or m.startswith('cupy.') or m == 'kernels.cuda')\n"
+        "assert not bad, f'imported on the CPU path: {bad}'\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
