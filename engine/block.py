@@ -7,10 +7,17 @@ The model runs this for every layer; the layer rung runs it alone against Huggin
 
 from __future__ import annotations
 
+import contextvars
+
 import numpy as np
 
 from engine.config import Qwen2Config
 from engine.weights import LayerWeights
+
+
+# The layer whose block is running (None outside a block). Tools that wrap backend ops (activation
+# capture, planted faults) read it to act on one layer; the engine itself never does.
+CURRENT_LAYER: contextvars.ContextVar[int | None] = contextvars.ContextVar("nanoqwen_current_layer", default=None)
 
 
 class Workspace:
@@ -32,7 +39,14 @@ class Workspace:
 def decoder_block(backend, config: Qwen2Config, w: LayerWeights, ws: Workspace, k_pages, v_pages,
                   page_table, decode: bool) -> None:
     """ws.residual [T, H] fp32 <- the block applied to it, at positions ws.positions (K/V into pages)."""
-    be, c = backend, config
+    token = CURRENT_LAYER.set(w.index)
+    try:
+        _block_ops(backend, config, w, ws, k_pages, v_pages, page_table, decode)
+    finally:
+        CURRENT_LAYER.reset(token)
+
+
+def _block_ops(be, c: Qwen2Config, w: LayerWeights, ws: Workspace, k_pages, v_pages, page_table, decode: bool):
     be.rmsnorm(ws.residual, w.input_layernorm, c.rms_norm_eps, ws.h)
     be.qkv_proj(ws.h, w.qkv, w.qkv_bias, ws.qkv)
     be.rope_kv_write(ws.qkv, ws.positions, k_pages, v_pages, page_table, c.rope_theta, ws.q)

@@ -68,6 +68,7 @@ class LayerWeights:
     post_attention_layernorm: Any  # fp16 [H]
     gate_up: Any  # QuantizedWeight [2 I, H]
     down: Any  # QuantizedWeight [H, I]
+    index: int = -1  # which layer of the model these are
 
 
 def load_layer_weights(backend, config: Qwen2Config, quant: str, get: Callable[[str, str, tuple], np.ndarray],
@@ -98,4 +99,5 @@ def load_layer_weights(backend, config: Qwen2Config, quant: str, get: Callable[[
         post_attention_layernorm=plain(p + "post_attention_layernorm.weight"),
         gate_up=linear([p + "mlp.gate_proj", p + "mlp.up_proj"], c.hidden_size),
         down=linear([p + "mlp.down_proj"], c.intermediate_size),
+        index=layer,
     )

@@ -11,6 +11,9 @@ import dataclasses
 from typing import Any
 
 BACKENDS = ("numpy", "cuda")
+# The op set of DESIGN.md / docs/BACKEND.md: what every backend implements and the ladder checks.
+OPS = ("embed", "rmsnorm", "qkv_proj", "rope_kv_write", "attention_prefill", "attention_decode",
+       "o_proj_residual", "gate_up_silu", "down_residual", "lm_head", "argmax")
 
 
 class BackendUnavailableError(RuntimeError):

@@ -1,4 +1,4 @@
-"""The pytest plugin of the ladder: rung markers, backend selection, Hypothesis profiles, the summary.
+"""The pytest plugin of the ladder: rung markers, backend selection, faults, golden files, the summary.
 
 Loaded by the repository's root conftest.py, or with `-p ladder.plugin` from an installed package.
 
@@ -7,19 +7,27 @@ Loaded by the repository's root conftest.py, or with `-p ladder.plugin` from an 
   CuPy are present); a test takes the `backend` fixture and runs once per backend. A backend that cannot
   run here is a skip with its reason, unless `--require-backend NAME` (or NANOQWEN_REQUIRE_GPU=1 for
   cuda) turns that skip into a failure. Tests on `cuda` also carry the `gpu` marker.
+- `--quant FORMAT|all` picks the quantization formats the `quant_format` fixture runs over.
+- `--plant-fault NAME[@LAYER]` wraps one op of every Backend object with a fault from ladder/faults.py.
+- `--update-golden` regenerates the golden activations (once, before the tests, on the controller).
 - Hypothesis profiles `ci` (the default: quick, derandomized) and `nightly` (thorough), chosen with
   Hypothesis' own `--hypothesis-profile`.
+- At the end, a table per rung (run, passed, failed, skipped with reasons) and each op's worst error
+  as a multiple of its noise floor; `--ladder-json FILE` writes the same data, with the op calls each
+  rung made (the coverage listing), for `nanoqwen ladder`.
 """
 
 from __future__ import annotations
 
+import json
 import os
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
 
-from kernels import BACKENDS, cuda_available, get_backend
+from kernels import BACKENDS, OPS, cuda_available, get_backend
 
 settings.register_profile("ci", max_examples=25, derandomize=True, deadline=None, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -37,12 +45,22 @@ def pytest_addoption(parser):
                 help="engine backend under test (default: numpy, plus cuda when a GPU is present)")
     g.addoption("--require-backend", action="append", default=[], choices=list(BACKENDS),
                 help="fail, instead of skipping, when this backend cannot run here (repeatable)")
+    g.addoption("--quant", default="all", help="quantization format under test, or 'all' (default)")
     g.addoption("--model", default=None, metavar="FILE|HF_DIR",
                 help="model under test for the layer and graph rungs: a .nanoqwen file or a Hugging Face "
                      "folder (converted once, cached); default: the embedded default model")
     g.addoption("--prompts", default=None, metavar="FILE",
                 help="graph-rung prompts, JSON lines with 'id' and 'ids' (token ids) or 'text'; "
                      "default: the fixture prompt file of the default model")
+    g.addoption("--plant-fault", default=None, metavar="NAME[@LAYER]",
+                help="wrap one backend op with a planted fault from ladder/faults.py (the ladder must go red)")
+    g.addoption("--update-golden", action="store_true",
+                help="regenerate the golden activations of the model under test before running")
+    g.addoption("--ladder-json", default=None, metavar="FILE",
+                help="write the run's per-rung counts, op error multiples and op calls as JSON")
+
+
+# --- selection -----------------------------------------------------------------------------------
 
 
 def selected_backends(config) -> list[str]:
@@ -61,38 +79,95 @@ def required_backends(config) -> set[str]:
     return req
 
 
+def selected_formats(config) -> list[str]:
+    from engine.formats import FORMATS
+
+    choice = config.getoption("--quant")
+    if choice == "all":
+        return sorted(FORMATS)
+    if choice not in FORMATS:
+        raise pytest.UsageError(f"--quant {choice}: unknown format; known: {', '.join(sorted(FORMATS))}")
+    return [choice]
+
+
+def _is_worker(config) -> bool:
+    return hasattr(config, "workerinput")
+
+
 def pytest_configure(config):
     for b in required_backends(config):
         if b not in selected_backends(config):
             raise pytest.UsageError(f"--require-backend {b} but --backend selects {selected_backends(config)}")
+    spec = config.getoption("--plant-fault")
+    if spec:
+        from ladder.faults import parse
+
+        try:
+            parse(spec)
+        except ValueError as e:
+            raise pytest.UsageError(str(e)) from None
+    selected_formats(config)
+    config._nanoqwen = _Summary()
+    _CONFIG["config"] = config
+
+
+def pytest_sessionstart(session):
+    config = session.config
+    if config.getoption("--update-golden") and not _is_worker(config):
+        from fixtures.golden import write_golden
+        from ladder.models import resolve_model
+
+        path = resolve_model(config.getoption("--model"))
+        folder = write_golden(path)
+        config.get_terminal_writer().line(f"nanoqwen: golden activations written to {folder}")
+
+
+def pytest_report_header(config):
+    lines = [f"nanoqwen: backends {selected_backends(config)}, formats {selected_formats(config)}"]
+    if config.getoption("--plant-fault"):
+        lines.append(f"nanoqwen: PLANTED FAULT {config.getoption('--plant-fault')} (this run must fail)")
+    return lines
 
 
 def pytest_generate_tests(metafunc):
     if "backend_name" in metafunc.fixturenames:
         names = selected_backends(metafunc.config)
         metafunc.parametrize("backend_name", names, ids=names, scope="session")
+    if "quant_name" in metafunc.fixturenames:
+        names = selected_formats(metafunc.config)
+        metafunc.parametrize("quant_name", names, ids=names, scope="session")
+
+
+def _rung_of(item) -> str | None:
+    try:
+        rel = Path(str(item.fspath)).resolve().relative_to(_LADDER_DIR)
+    except ValueError:
+        return None
+    return rel.parts[0] if rel.parts and rel.parts[0] in RUNGS else None
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        path = Path(str(item.fspath)).resolve()
-        try:
-            rel = path.relative_to(_LADDER_DIR)
-        except ValueError:
-            continue
-        if rel.parts and rel.parts[0] in RUNGS:
-            item.add_marker(getattr(pytest.mark, rel.parts[0]))
+        rung = _rung_of(item)
+        if rung:
+            item.add_marker(getattr(pytest.mark, rung))
         callspec = getattr(item, "callspec", None)
         if callspec is not None and callspec.params.get("backend_name") == "cuda":
             item.add_marker(pytest.mark.gpu)
 
 
+# --- fixtures ------------------------------------------------------------------------------------
+
 _BACKENDS: dict[str, object] = {}
+_CALLS: Counter = Counter()  # op calls of the running test, moved onto its report
 
 
 @pytest.fixture(scope="session")
 def backend(request, backend_name):
-    """The Backend object under test; skipped (or failed, if required) where it cannot run."""
+    """The Backend object under test; skipped (or failed, if required) where it cannot run.
+
+    Its ops are wrapped once to count calls (coverage) and, with --plant-fault, to plant the fault.
+    """
     if backend_name not in _BACKENDS:
         if backend_name == "cuda":
             ok, why = cuda_available()
@@ -101,12 +176,29 @@ def backend(request, backend_name):
                 if "cuda" in required_backends(request.config):
                     pytest.fail(msg + " (required by --require-backend cuda / NANOQWEN_REQUIRE_GPU=1)")
                 pytest.skip(msg)
-        _BACKENDS[backend_name] = get_backend(backend_name)
+        be = get_backend(backend_name)
+        spec = request.config.getoption("--plant-fault")
+        if spec:
+            from ladder.faults import plant
+
+            plant(be, spec)
+        from ladder.instrument import record_calls
+
+        record_calls(be, _CALLS)
+        _BACKENDS[backend_name] = be
     return _BACKENDS[backend_name]
 
 
 @pytest.fixture(scope="session")
-def model_path(request, tmp_path_factory) -> Path:
+def quant_format(quant_name):
+    """The quantization format under test (engine/formats), one per --quant selection."""
+    from engine.formats import get_format
+
+    return get_format(quant_name)
+
+
+@pytest.fixture(scope="session")
+def model_path(request) -> Path:
     """The .nanoqwen file under test (--model, else the embedded default model)."""
     from ladder.models import resolve_model
 
@@ -118,7 +210,96 @@ def pytest_runtest_call(item):
     from ladder import compare
 
     start = len(compare.RECORDS)
+    _CALLS.clear()
     yield
     for rec in compare.RECORDS[start:]:
         item.user_properties.append(("nanoqwen_check", rec))
     del compare.RECORDS[start:]
+    if _CALLS:
+        backend = getattr(item, "callspec", None) and item.callspec.params.get("backend_name")
+        item.user_properties.append(("nanoqwen_calls", {"backend": backend, "calls": dict(_CALLS)}))
+    _CALLS.clear()
+
+
+# --- the summary ---------------------------------------------------------------------------------
+
+
+class _Summary:
+    def __init__(self):
+        self.counts = defaultdict(Counter)  # rung -> outcome -> n
+        self.skips = defaultdict(Counter)  # rung -> reason -> n
+        self.worst: dict[tuple, dict] = {}  # (rung, backend, op) -> worst record
+        self.calls = defaultdict(Counter)  # (rung, backend) -> op -> n
+        self.failures: list[str] = []
+
+    def add(self, report, rung: str):
+        if report.when == "call" or (report.when == "setup" and not report.passed):
+            outcome = report.outcome
+            self.counts[rung][outcome] += 1
+            if report.skipped:
+                reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+                self.skips[rung][reason.removeprefix("Skipped: ")] += 1
+            if report.failed:
+                self.failures.append(report.nodeid)
+        for key, value in report.user_properties:
+            if key == "nanoqwen_check":
+                k = (rung, value["backend"], value["op"])
+                if k not in self.worst or value["multiple"] > self.worst[k]["multiple"]:
+                    self.worst[k] = value
+            elif key == "nanoqwen_calls":
+                self.calls[(rung, value["backend"])].update(value["calls"])
+
+    def as_json(self) -> dict:
+        return {
+            "rungs": {r: dict(self.counts[r]) for r in RUNGS},
+            "skips": {r: dict(self.skips[r]) for r in RUNGS},
+            "ops": [{"rung": r, "backend": b, "op": o, **{k: v for k, v in rec.items() if k in
+                     ("multiple", "max_abs", "rel_l2", "floor", "case", "seed", "passed")}}
+                    for (r, b, o), rec in sorted(self.worst.items(), key=lambda kv: tuple(str(x) for x in kv[0]))],
+            "calls": [{"rung": r, "backend": b, "op": op, "n": n}
+                      for (r, b), c in sorted(self.calls.items(), key=lambda kv: tuple(str(x) for x in kv[0]))
+                      for op, n in sorted(c.items())],
+            "ops_never_called": sorted({(b, op) for (_, b) in self.calls for op in OPS}
+                                       - {(b, op) for (_, b), c in self.calls.items() for op in c}),
+            "failures": self.failures,
+        }
+
+
+_CONFIG: dict = {}  # the session's config, for hooks that are not handed it
+
+
+def pytest_runtest_logreport(report):
+    config = _CONFIG.get("config")
+    if config is None:
+        return
+    rung = next((r for r in RUNGS if f"ladder/{r}/" in report.nodeid.replace(os.sep, "/")), "other")
+    config._nanoqwen.add(report, rung)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if _is_worker(config):
+        return
+    s: _Summary = config._nanoqwen
+    tr = terminalreporter
+    rungs = [r for r in (*RUNGS, "other") if s.counts[r]]
+    if not rungs:
+        return
+    tr.section("nanoqwen ladder")
+    tr.line(f"{'rung':<8}{'run':>6}{'passed':>8}{'failed':>8}{'skipped':>9}")
+    for r in rungs:
+        c = s.counts[r]
+        tr.line(f"{r:<8}{sum(c.values()):>6}{c['passed']:>8}{c['failed']:>8}{c['skipped']:>9}")
+        for reason, n in s.skips[r].most_common():
+            tr.line(f"          skipped {n}x: {reason}")
+    if s.worst:
+        tr.line("")
+        tr.line(f"{'rung':<8}{'backend':<11}{'op':<22}{'worst err / noise floor':>24}  case")
+        for (r, b, o), rec in sorted(s.worst.items(), key=lambda kv: tuple(str(x) for x in kv[0])):
+            mult = rec["multiple"]
+            shown = "exact" if mult == 0 else f"{mult:.2f}x"
+            flag = "" if rec["passed"] else "  FAILED"
+            tr.line(f"{r:<8}{str(b):<11}{o:<22}{shown:>24}  {rec['case']}{flag}")
+    out = config.getoption("--ladder-json")
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(s.as_json(), indent=1, default=str))

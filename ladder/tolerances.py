@@ -42,13 +42,13 @@ TOL: dict[tuple[str, str], Tol] = {
     ("lm_head", "float32"): Tol(4.0, 8.0, "fp32 dot products of H fp16 terms; the floor is fp32 summation error"),
     ("argmax", "int32"): Tol(0.0, 0.0, "an index is right or wrong; ties go to the lowest index"),
     ("dequantize", "float32"): Tol(0.0, 0.0, "(nibble - 8) * fp16 scale is exact in fp32"),
+    # Layer rung: the floor is reference.model.ref_block in fp32 with fp16 storage between ops.
+    ("layer", "float32"): Tol(3.0, 4.0, "8 ops each round to fp16 and may sum in another order; errors compound through the residual"),
+    ("layer_kv", "float16"): Tol(3.0, 2.0, "K after fp16 q/k/v projection and RoPE, V after the projection, stored fp16"),
     # Whole-model checks: the floor is the engine's own full-prefill error against the float64 model.
     ("decode_logits", "float32"): Tol(2.0, 0.0, "decode through the cache is another valid fp16 rounding path than a full prefill"),
 }
 
-# Layer rung: the engine's fp16 activations against HF's float32 block on the same weights. The floor
-# there is the engine's own rounding, measured in the test by rounding HF's activations the same way.
-LAYER_FACTOR = Tol(4.0, 16.0, "8 ops each rounding to fp16; errors compound through the residual")
 
 # Graph rung: a token mismatch where the reference's top-1 margin (its logit of its own token minus its
 # logit of the engine's token) is below NEAR_TIE_EPS is a near-tie, reported, not failed. Derivation:

@@ -60,7 +60,6 @@ def hf_model(config: dict, weights: dict):
 
 def hf_decoder_layer(config: dict, weights: dict, layer: int):
     """(Qwen2DecoderLayer, Qwen2RotaryEmbedding) in float32 for layer `layer` of `weights`."""
-    torch = _torch()
     from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RotaryEmbedding
 
     cfg = hf_config(config)
@@ -76,3 +75,37 @@ def hf_logits(model, ids) -> np.ndarray:
     with torch.no_grad():
         out = model(torch.tensor([list(ids)], dtype=torch.long), use_cache=False)
     return out.logits[0].float().numpy()
+
+
+def hf_block_outputs(config: dict, weights: dict, layer: int, x: np.ndarray):
+    """Run transformers' Qwen2DecoderLayer (float32, eager, causal) over x [T, H] at positions 0..T-1.
+
+    Returns (output [T, H], k [T, nkv, d] after RoPE, v [T, nkv, d]) as float64 arrays. K and V are
+    what HF's own attention uses: the k_proj/v_proj outputs caught by forward hooks, with k rotated by
+    transformers' `apply_rotary_pos_emb` and the same cos/sin the layer receives.
+    """
+    torch = _torch()
+    from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
+
+    block, rope = hf_decoder_layer(config, weights, layer)
+    nq, nkv = config["num_attention_heads"], config["num_key_value_heads"]
+    d = config["hidden_size"] // nq
+    T = x.shape[0]
+    caught = {}
+    hooks = [getattr(block.self_attn, name).register_forward_hook(
+        lambda mod, inp, out, name=name: caught.__setitem__(name, out.detach())) for name in ("k_proj", "v_proj")]
+    try:
+        with torch.no_grad():
+            hidden = torch.from_numpy(np.asarray(x, dtype=np.float32))[None]  # [1, T, H]
+            position_ids = torch.arange(T)[None]
+            cos, sin = rope(hidden, position_ids)
+            mask = torch.full((T, T), float("-inf")).triu(1)[None, None]  # [1, 1, T, T] additive causal mask
+            out = block(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=(cos, sin))
+            out = out[0] if isinstance(out, tuple) else out
+            k = caught["k_proj"].view(1, T, nkv, d).transpose(1, 2)  # [1, nkv, T, d], HF's layout
+            v = caught["v_proj"].view(1, T, nkv, d)
+            _, k = apply_rotary_pos_emb(k, k, cos, sin)
+    finally:
+        for h in hooks:
+            h.remove()
+    return (out[0].double().numpy(), k[0].transpose(0, 1).double().numpy(), v[0].double().numpy())

@@ -12,24 +12,40 @@ import numpy as np
 from reference.ops import ref_attention, ref_embed, ref_gate_up_silu, ref_linear, ref_rmsnorm, ref_rope
 
 
-def ref_block(config: dict, w: dict, layer: int, x: np.ndarray, positions) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One decoder layer on x [T, H] float64; returns (output, k [T, nkv, d] roped, v [T, nkv, d])."""
+def ref_block(config: dict, w: dict, layer: int, x: np.ndarray, positions, dtype=np.float64,
+              storage=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One decoder layer over x [T, H] (all T positions, causal); returns (output, k roped, v), k and v
+    as [T, nkv, d].
+
+    With `dtype=np.float32, storage=np.float16` it is the *plain implementation* of the precision
+    contract: fp32 arithmetic, every activation between ops (and K/V) rounded to fp16, the residual
+    kept in fp32. Its error against a float reference is the block's noise floor.
+    """
     c, p = config, f"model.layers.{layer}."
     nq, nkv = c["num_attention_heads"], c["num_key_value_heads"]
     d = c["hidden_size"] // nq
     theta = c.get("rope_theta", (c.get("rope_parameters") or {}).get("rope_theta", 10000.0))
     eps = c.get("rms_norm_eps", 1e-6)
     T = x.shape[0]
-    h = ref_rmsnorm(x, w[p + "input_layernorm.weight"], eps)
-    q = ref_linear(h, w[p + "self_attn.q_proj.weight"], w[p + "self_attn.q_proj.bias"]).reshape(T, nq, d)
-    k = ref_linear(h, w[p + "self_attn.k_proj.weight"], w[p + "self_attn.k_proj.bias"]).reshape(T, nkv, d)
-    v = ref_linear(h, w[p + "self_attn.v_proj.weight"], w[p + "self_attn.v_proj.bias"]).reshape(T, nkv, d)
-    q, k = ref_rope(q, positions, theta), ref_rope(k, positions, theta)
-    a = ref_attention(q, k, v, positions)
-    x = x + ref_linear(a, w[p + "self_attn.o_proj.weight"])
-    h = ref_rmsnorm(x, w[p + "post_attention_layernorm.weight"], eps)
-    x = x + ref_linear(ref_gate_up_silu(h, w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]),
-                       w[p + "mlp.down_proj.weight"])
+
+    def st(a):  # store an activation in its storage dtype (a no-op for the float64 reference)
+        return a.astype(storage).astype(dtype) if storage is not None else a
+
+    def lin(a, name, bias=True):
+        b = w[p + name + ".bias"] if bias else None
+        return ref_linear(a, w[p + name + ".weight"], b, dtype=dtype)
+
+    x = np.asarray(x, dtype=dtype)
+    h = st(ref_rmsnorm(x, w[p + "input_layernorm.weight"], eps, dtype=dtype))
+    q = st(lin(h, "self_attn.q_proj")).reshape(T, nq, d)
+    k = st(lin(h, "self_attn.k_proj")).reshape(T, nkv, d)
+    v = st(lin(h, "self_attn.v_proj")).reshape(T, nkv, d)
+    q, k = st(ref_rope(q, positions, theta, dtype=dtype)), st(ref_rope(k, positions, theta, dtype=dtype))
+    a = st(ref_attention(q, k, v, positions, dtype=dtype))
+    x = x + lin(a, "self_attn.o_proj", bias=False)
+    h = st(ref_rmsnorm(x, w[p + "post_attention_layernorm.weight"], eps, dtype=dtype))
+    act = st(ref_gate_up_silu(h, w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"], dtype=dtype))
+    x = x + lin(act, "mlp.down_proj", bias=False)
     return x, k, v
 
 

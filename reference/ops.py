@@ -33,6 +33,10 @@ def ref_dequant_int4_sym_g128(qweight, scales, dtype=np.float64) -> np.ndarray:
     return (nib - 8).astype(dtype) * s
 
 
+# format name -> its reference reading: (stored tensors) -> float64 [out, in]
+REF_DEQUANT = {"int4_sym_g128": lambda t, dtype=np.float64: ref_dequant_int4_sym_g128(t["qweight"], t["scales"], dtype)}
+
+
 def ref_embed(ids, table, dtype=np.float64) -> np.ndarray:
     return np.asarray(table, dtype=dtype)[np.asarray(ids)]
 

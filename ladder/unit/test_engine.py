@@ -15,7 +15,7 @@ from engine.errors import PromptTooLongError, TokenIdError
 from engine.kv_cache import PagedKVCache
 from fixtures.tiny_model import random_model_file
 from ladder.compare import assert_close
-from ladder.weights import dequantized_weights
+from fixtures.dequantized import dequantized_weights
 from reference.model import ref_forward
 
 LENGTHS = (1, 15, 16, 17, 31, 32, 33)

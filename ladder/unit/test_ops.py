@@ -12,19 +12,25 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from engine.formats import get_format
 from fixtures.strategies import (PAGE_BOUNDARY_LENGTHS, PagedCase, fp16, linear_shapes, make_page_table,
                                  paged_cases, quantizable_weight, rng_for, seeds)
 from ladder.compare import assert_close, assert_equal
 from ladder.harness import dev, host, quantized, sentinel
 from reference import ops as R
 
-INT4 = get_format("int4_sym_g128")
 F16, F32 = np.float16, np.float32
 
 
 def _round(a, dtype):
     return np.asarray(a).astype(dtype)
+
+
+def _quantized(backend, fmt, w):
+    """(the backend's weight, the float64 reference weight) for a float32 weight in format `fmt`."""
+    if fmt.name not in R.REF_DEQUANT:
+        pytest.fail(f"format {fmt.name!r} has no reference reading in reference/ops.py REF_DEQUANT")
+    qw, tensors = quantized(backend, fmt, w)
+    return qw, R.REF_DEQUANT[fmt.name](tensors)
 
 
 # --- embed ---------------------------------------------------------------------------------------
@@ -69,14 +75,13 @@ def test_rmsnorm_matches_reference_within_noise_floor(backend, T, H, eps, kind, 
 
 @given(shape=linear_shapes(), seed=seeds)
 @example(shape=(1, 128, 8, 0), seed=0)
-def test_qkv_proj_int4_with_bias(backend, shape, seed):
+def test_qkv_proj_with_bias(backend, quant_format, shape, seed):
     T, in_f, out_f, _ = shape
     rng = rng_for(seed)
     x = fp16(rng, (T, in_f))
     w = quantizable_weight(rng, out_f, in_f)
     bias = fp16(rng, (out_f,), 0.5)
-    qw, t = quantized(backend, INT4, w)
-    wref = R.ref_dequant_int4_sym_g128(t["qweight"], t["scales"])
+    qw, wref = _quantized(backend, quant_format, w)
     ref = R.ref_linear(x, wref, bias)
     plain = _round(R.ref_linear(x, wref, bias, dtype=F32), F16)
     out = sentinel(backend, (T, out_f), F16)
@@ -87,14 +92,13 @@ def test_qkv_proj_int4_with_bias(backend, shape, seed):
 @pytest.mark.parametrize("op", ["o_proj_residual", "down_residual"])
 @given(shape=linear_shapes(), seed=seeds)
 @example(shape=(1, 512, 128, 0), seed=0)
-def test_linear_residual_adds_into_fp32_stream(backend, op, shape, seed):
+def test_linear_residual_adds_into_fp32_stream(backend, quant_format, op, shape, seed):
     T, in_f, out_f, _ = shape
     rng = rng_for(seed)
     x = fp16(rng, (T, in_f))
     w = quantizable_weight(rng, out_f, in_f)
     resid = (rng.standard_normal((T, out_f)) * 4).astype(F32)
-    qw, t = quantized(backend, INT4, w)
-    wref = R.ref_dequant_int4_sym_g128(t["qweight"], t["scales"])
+    qw, wref = _quantized(backend, quant_format, w)
     ref = resid + R.ref_linear(x, wref)
     plain = resid + R.ref_linear(x, wref, dtype=F32)
     out = dev(backend, resid.copy())
@@ -104,12 +108,11 @@ def test_linear_residual_adds_into_fp32_stream(backend, op, shape, seed):
 
 @given(T=st.integers(1, 6), H=st.sampled_from((128, 256, 384)), inter=st.sampled_from((128, 256, 768)), seed=seeds)
 @example(T=1, H=128, inter=128, seed=0)
-def test_gate_up_silu_fused(backend, T, H, inter, seed):
+def test_gate_up_silu_fused(backend, quant_format, T, H, inter, seed):
     rng = rng_for(seed)
     x = fp16(rng, (T, H))
     w = quantizable_weight(rng, 2 * inter, H, scale=0.1)  # rows [gate; up]
-    qw, t = quantized(backend, INT4, w)
-    wref = R.ref_dequant_int4_sym_g128(t["qweight"], t["scales"])
+    qw, wref = _quantized(backend, quant_format, w)
     ref = R.ref_gate_up_silu(x, wref[:inter], wref[inter:])
     plain = _round(R.ref_gate_up_silu(x, wref[:inter], wref[inter:], dtype=F32), F16)
     out = sentinel(backend, (T, inter), F16)

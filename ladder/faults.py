@@ -1,0 +1,206 @@
+"""The catalogue of planted faults: proof that the ladder catches the bugs kernel engineers write.
+
+Each fault is minimal (one wrong position, not a wrecked tensor) and is installed only through
+`pytest --plant-fault NAME[@LAYER]`, by wrapping one op of the Backend object. `@LAYER` limits it to
+one layer's blocks (read from `engine.block.CURRENT_LAYER`); ops called outside a block (the unit
+rung) are always affected. `ladder/unit/test_faults.py` runs real rungs with each fault in a
+subprocess and asserts they go red and name the op: a rung that stays green under its fault is a bug
+in the rung.
+
+The wrappers work on any backend: they change an op's inputs, or, for fp16 accumulation, recompute
+the op's contribution on the host from the weights `prepare_linear` was given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from engine.block import CURRENT_LAYER
+from kernels import QuantizedWeight
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    ops: tuple[str, ...]  # the ops it wraps (the failure must name one of them, or an op they feed)
+    describes: str
+    install: Callable  # install(backend, active: Callable[[], bool]) -> None
+    rung: str  # the cheapest rung that must catch it, as pytest arguments
+    names: tuple[str, ...]  # what the failure message must mention
+
+
+def _wrap(backend, op: str, make):
+    original = getattr(backend, op)
+    setattr(backend, op, make(original))
+
+
+def _host(backend, a) -> np.ndarray:
+    return np.array(backend.to_numpy(a), copy=True)
+
+
+# --- attention ---------------------------------------------------------------------------------
+
+
+def _attention_page_edge(backend, active):
+    """A query at the first slot of a page (position 16k, k > 0) does not see its own key."""
+    def make(original):
+        def op(q, k_pages, v_pages, page_table, positions, out):
+            if active():
+                pos = _host(backend, positions)
+                edge = (pos % 16 == 0) & (pos > 0)
+                if edge.any():
+                    positions = backend.asarray(np.where(edge, pos - 1, pos).astype(np.int32))
+            return original(q, k_pages, v_pages, page_table, positions, out)
+        return op
+    for name in ("attention_decode", "attention_prefill"):
+        _wrap(backend, name, make)
+
+
+def _stale_page_read(backend, active):
+    """Decode attention reads the page table as it was before the newest page was added."""
+    def make(original):
+        def op(q, k_pages, v_pages, page_table, positions, out):
+            if active():
+                pos = _host(backend, positions)
+                if len(pos) == 1 and pos[0] % 16 == 0 and pos[0] > 0:
+                    table = _host(backend, page_table)
+                    table[pos[0] // 16] = table[pos[0] // 16 - 1]  # the update not yet visible
+                    page_table = backend.asarray(table)
+            return original(q, k_pages, v_pages, page_table, positions, out)
+        return op
+    _wrap(backend, "attention_decode", make)
+
+
+# --- the INT4 unpack -----------------------------------------------------------------------------
+
+
+def _retensor(backend, original_prepare, edit):
+    def prepare(fmt, tensors, out_features, in_features):
+        if fmt == "int4_sym_g128":
+            tensors = edit({k: np.array(v, copy=True) for k, v in tensors.items()})
+        return original_prepare(fmt, tensors, out_features, in_features)
+    return prepare
+
+
+def _nibble_swap(backend, active):
+    """The unpack swaps elements 0 and 1 of the first word of every row (nibbles 0 and 4)."""
+    def edit(t):
+        w = t["qweight"][:, 0]
+        lo, hi = w & 0xF, (w >> 16) & 0xF
+        t["qweight"][:, 0] = (w & ~np.uint32(0x000F000F)) | hi | (lo << 16)
+        return t
+    _wrap(backend, "prepare_linear", lambda original: _retensor(backend, original, edit))
+
+
+def _wrong_group_scale(backend, active):
+    """The last group of every row uses the scale of the group before it."""
+    def edit(t):
+        if t["scales"].shape[1] > 1:
+            t["scales"][:, -1] = t["scales"][:, -2]
+        return t
+    _wrap(backend, "prepare_linear", lambda original: _retensor(backend, original, edit))
+
+
+# --- projections, RoPE ---------------------------------------------------------------------------
+
+
+def _dropped_qkv_bias(backend, active):
+    """qkv_proj ignores its bias."""
+    def make(original):
+        zeros = {}
+
+        def op(x, w, bias, out):
+            if active():
+                if id(bias) not in zeros:
+                    zeros[id(bias)] = (bias, backend.asarray(np.zeros(_host(backend, bias).shape, np.float16)))
+                bias = zeros[id(bias)][1]
+            return original(x, w, bias, out)
+        return op
+    _wrap(backend, "qkv_proj", make)
+
+
+def _wrong_rope_theta(backend, active):
+    """RoPE uses the Qwen2 default theta 1e6 where the model says otherwise (or 1e4 where it says 1e6)."""
+    def make(original):
+        def op(qkv, positions, k_pages, v_pages, page_table, theta, q_out):
+            if active():
+                theta = 1e4 if theta == 1e6 else 1e6
+            return original(qkv, positions, k_pages, v_pages, page_table, theta, q_out)
+        return op
+    _wrap(backend, "rope_kv_write", make)
+
+
+def _fp16_accumulation(backend, active):
+    """down_residual accumulates its dot products in fp16 (sequentially over 128-wide groups)."""
+    hosts: dict[int, tuple] = {}
+
+    def prepare_make(original):
+        def prepare(fmt, tensors, out_features, in_features):
+            w = original(fmt, tensors, out_features, in_features)
+            hosts[id(w)] = (w, {k: np.array(v, copy=True) for k, v in tensors.items()})
+            return w
+        return prepare
+
+    def op_make(original):
+        def op(x, w: QuantizedWeight, residual):
+            if not active() or id(w) not in hosts:
+                return original(x, w, residual)
+            t = hosts[id(w)][1]
+            vals = np.empty(t["qweight"].shape + (8,), np.float32)
+            for k, e in enumerate((0, 2, 4, 6, 1, 3, 5, 7)):
+                vals[..., e] = ((t["qweight"] >> np.uint32(4 * k)) & np.uint32(0xF)).astype(np.float32) - 8
+            wf = vals.reshape(w.out_features, w.in_features) * np.repeat(t["scales"].astype(np.float32), 128, axis=1)
+            xf = _host(backend, x).astype(np.float16)
+            acc = np.zeros((xf.shape[0], w.out_features), np.float16)
+            for g in range(0, w.in_features, 128):  # partial sums rounded to fp16 after every group
+                acc = (acc.astype(np.float32) + xf[:, g:g + 128].astype(np.float32) @ wf[:, g:g + 128].T).astype(np.float16)
+            r = _host(backend, residual) + acc.astype(np.float32)
+            residual[...] = backend.asarray(r)
+        return op
+
+    _wrap(backend, "prepare_linear", prepare_make)
+    _wrap(backend, "down_residual", op_make)
+
+
+FAULTS: dict[str, Fault] = {f.name: f for f in (
+    Fault("attention_page_edge", ("attention_decode", "attention_prefill"), "off-by-one at a page boundary",
+          _attention_page_edge, "-m unit -k attention", ("attention",)),
+    Fault("stale_page_read", ("attention_decode",), "a stale page-table entry at a new page",
+          _stale_page_read, "-m unit -k attention_decode", ("attention_decode",)),
+    Fault("nibble_swap", ("prepare_linear",), "swapped nibbles in the INT4 unpack",
+          _nibble_swap, "-m unit -k 'qkv_proj or residual or gate_up'", ("qkv_proj", "o_proj_residual", "down_residual", "gate_up_silu")),
+    Fault("wrong_group_scale", ("prepare_linear",), "the wrong group's scale",
+          _wrong_group_scale, "-m unit -k 'qkv_proj or residual or gate_up'", ("qkv_proj", "o_proj_residual", "down_residual", "gate_up_silu")),
+    Fault("dropped_qkv_bias", ("qkv_proj",), "a dropped q/k/v bias",
+          _dropped_qkv_bias, "-m unit -k qkv_proj", ("qkv_proj",)),
+    Fault("wrong_rope_theta", ("rope_kv_write",), "a wrong RoPE theta",
+          _wrong_rope_theta, "-m unit -k rope", ("rope",)),
+    Fault("fp16_accumulation", ("down_residual",), "fp16 accumulation in a GEMV",
+          _fp16_accumulation, "-m unit -k residual", ("down_residual",)),
+)}
+
+
+def parse(spec: str) -> tuple[Fault, int | None]:
+    """`NAME[@LAYER]` -> (Fault, layer or None)."""
+    name, _, layer = spec.partition("@")
+    if name not in FAULTS:
+        raise ValueError(f"unknown fault {name!r}; the catalogue: {', '.join(sorted(FAULTS))}")
+    try:
+        return FAULTS[name], (int(layer) if layer else None)
+    except ValueError:
+        raise ValueError(f"--plant-fault {spec!r}: the part after @ must be a layer number") from None
+
+
+def plant(backend, spec: str) -> Fault:
+    """Install the fault on this Backend object (instance attributes shadow the class's ops)."""
+    fault, layer = parse(spec)
+
+    def active() -> bool:
+        current = CURRENT_LAYER.get()
+        return layer is None or current is None or current == layer
+
+    fault.install(backend, active)
+    return fault

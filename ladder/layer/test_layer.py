@@ -1,0 +1,133 @@
+"""Layer rung: one engine decoder block against transformers' Qwen2DecoderLayer (float32, same
+dequantized weights), and against the golden activations the reference wrote.
+
+Each case is a prefill of L tokens followed by decode steps across at least two page boundaries, with
+a shuffled page table and NaN in every free page and unwritten slot. Compared: the block output at
+every position, and the K/V gathered from the pages against the reference's own K (after RoPE) and V.
+The floor is the error of the plain implementation (`reference.model.ref_block` in fp32 with the
+precision contract's fp16 storage points) against the same reference: TOL[("layer", ...)].
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.config import SHAPES, Qwen2Config
+from engine.formats import get_format
+from engine.modelfile import ModelFile
+from fixtures.dequantized import dequantized_weights
+from fixtures.golden import GoldenError, load_golden
+from fixtures.layer_cases import MODEL_CASES, SEVEN_B_CASES, LayerCase
+from fixtures.tiny_model import random_weights
+from ladder.blockrun import run_engine_block
+from ladder.compare import assert_close
+from reference.model import ref_block
+
+F16, F32 = np.float16, np.float32
+
+
+class BlockUnderTest:
+    """One model's weights, as the engine loads them (`get`) and as the reference sees them (`weights`)."""
+
+    def __init__(self, config: Qwen2Config, quant: str, get, weights: dict, label: str):
+        self.config, self.quant, self.get, self.weights, self.label = config, quant, get, weights, label
+        self.hf_config = config.to_hf_dict()
+
+    @classmethod
+    def from_file(cls, path) -> "BlockUnderTest":
+        mf = ModelFile(path)
+        config_dict, weights = dequantized_weights(path)
+        return cls(Qwen2Config.from_hf_dict(config_dict), mf.quant, mf.expect, weights, path.name)
+
+    @classmethod
+    def synthetic(cls, config: Qwen2Config, seed: int, quant: str = "int4_sym_g128") -> "BlockUnderTest":
+        """Seeded random weights of any shape, quantized with `quant` (one layer)."""
+        fmt = get_format(quant)
+        config = config.replace(num_hidden_layers=1)
+        raw = {k: v for k, v in random_weights(config, seed).items() if k.startswith("model.layers.0.")}
+        stored, weights = {}, {}
+        for name, w in raw.items():
+            if name.endswith("proj.weight"):
+                base = name[: -len(".weight")]
+                t = fmt.quantize(w)
+                stored.update({base + "." + k: v for k, v in t.items()})
+                weights[name] = fmt.dequantize(t)
+            else:
+                stored[name] = w.astype(F16)
+                weights[name] = stored[name].astype(F32)
+        return cls(config, quant, lambda name, dtype, shape: stored[name], weights, f"synthetic-{seed}")
+
+
+def check_block(backend, block: BlockUnderTest, case: LayerCase, ref_out, ref_k, ref_v, against: str):
+    case = case.resolve(block.config.num_hidden_layers)
+    x = case.inputs(block.config.hidden_size)
+    out, k, v = run_engine_block(backend, block.config, block.quant, block.get, case, shuffle_seed=case.seed)
+    p_out, p_k, p_v = ref_block(block.hf_config, block.weights, case.layer, x, np.arange(case.total),
+                                dtype=F32, storage=F16)
+    label = f"{block.label} {case} vs {against}"
+    assert_close("block_output", out, ref_out, p_out, backend=backend.name, case=label, seed=case.seed, tol_op="layer")
+    assert_close("block_k_pages", k, ref_k, p_k.astype(F16), backend=backend.name, case=label, seed=case.seed, tol_op="layer_kv")
+    assert_close("block_v_pages", v, ref_v, p_v.astype(F16), backend=backend.name, case=label, seed=case.seed, tol_op="layer_kv")
+
+
+@pytest.fixture(scope="session")
+def model_block(model_path) -> BlockUnderTest:
+    return BlockUnderTest.from_file(model_path)
+
+
+@pytest.fixture(scope="session")
+def hf_block():
+    pytest.importorskip("torch", reason="the HF reference needs torch (pip install -e '.[test]')")
+    pytest.importorskip("transformers", reason="the HF reference needs transformers (pip install -e '.[test]')")
+    from reference.hf import hf_block_outputs
+
+    return hf_block_outputs
+
+
+@pytest.mark.parametrize("case", MODEL_CASES, ids=str)
+def test_block_matches_hf_decoder_layer(backend, model_block, hf_block, case):
+    c = case.resolve(model_block.config.num_hidden_layers)
+    ref = hf_block(model_block.hf_config, model_block.weights, c.layer, c.inputs(model_block.config.hidden_size))
+    check_block(backend, model_block, case, *ref, against="HF Qwen2DecoderLayer")
+
+
+@pytest.mark.parametrize("case", MODEL_CASES, ids=str)
+def test_block_matches_golden_activations(backend, model_block, model_path, request, case):
+    c = case.resolve(model_block.config.num_hidden_layers)
+    try:
+        golden = load_golden(model_path, c)
+    except GoldenError as e:
+        if request.config.getoption("--model") is None:
+            pytest.fail(str(e))  # the default model ships its golden files: missing or stale is a bug
+        pytest.skip(str(e))
+    assert np.array_equal(golden["x"], c.inputs(model_block.config.hidden_size)), "golden inputs differ from the case's"
+    check_block(backend, model_block, case, golden["out"], golden["k"], golden["v"], against="golden activations")
+
+
+# Shapes the default model does not have: the 7B head layout (GQA 7, head 128), a 14-head GQA-7 at
+# head 64 (Qwen2.5-0.5B), and MHA (ratio 1).
+SYNTHETIC = {
+    "gqa7-d128": SHAPES["qwen2.5-coder-7b"].replace(hidden_size=896, intermediate_size=1024, num_attention_heads=7,
+                                                    num_key_value_heads=1, vocab_size=128),
+    "gqa7-d64": SHAPES["qwen2.5-0.5b"].replace(intermediate_size=512, vocab_size=128, tie_word_embeddings=False),
+    "mha-d64": SHAPES["tiny"].replace(num_key_value_heads=4, vocab_size=128),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(SYNTHETIC))
+def test_block_at_other_head_layouts(backend, hf_block, shape):
+    block = BlockUnderTest.synthetic(SYNTHETIC[shape], seed=11)
+    case = LayerCase(0, 15, 20, 5)  # decode crosses 16 and 32
+    ref = hf_block(block.hf_config, block.weights, 0, case.inputs(block.config.hidden_size))
+    check_block(backend, block, case, *ref, against="HF Qwen2DecoderLayer")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", SEVEN_B_CASES, ids=str)
+def test_block_at_the_exact_7b_shape(backend, hf_block, case):
+    if backend.name != "cuda":
+        pytest.skip("the 7B-shape block is a GPU case (minutes on the NumPy backend)")
+    block = BlockUnderTest.synthetic(SHAPES["qwen2.5-coder-7b"], seed=7)
+    ref = hf_block(block.hf_config, block.weights, 0, case.inputs(block.config.hidden_size))
+    check_block(backend, block, case, *ref, against="HF Qwen2DecoderLayer")
