@@ -1,6 +1,6 @@
 """Run the CUDA backend's ops under compute-sanitizer (memcheck, racecheck), after proving it can see.
 
-    python3 -m kernels.cuda.sanitize
+    python3 -m bench.sanitize        (from the repository root)
 
 First two planted kernels must be flagged, or the script fails (a blind sanitizer cannot pass):
   - `planted_oob`: each thread writes one element past the end of its array (memcheck);
@@ -76,7 +76,7 @@ def child(what: str) -> None:
         return
 
     from kernels import get_backend
-    from kernels.cuda.selfcheck import Checker, Report
+    from bench.cuda_selfcheck import Checker, Report
 
     rep = Report()
     c = Checker(get_backend("cuda"), get_backend("numpy"), rep, seed=1)
@@ -106,9 +106,9 @@ def child(what: str) -> None:
 
 def run_under(sanitizer: str, tool: str, what: str) -> tuple[int, str]:
     cmd = [sanitizer, "--tool", tool, "--error-exitcode", str(ERROR_EXIT), "--print-limit", "10",
-           sys.executable, "-m", "kernels.cuda.sanitize", "--child", what]
+           sys.executable, "-m", "bench.sanitize", "--child", what]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    res = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2], env=env)
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], env=env)
     return res.returncode, res.stdout + res.stderr
 
 

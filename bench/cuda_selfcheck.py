@@ -1,7 +1,10 @@
 """Check every CUDA op against the NumPy backend (the executable spec), then the decode CUDA graph.
 
-    python3 -m kernels.cuda.selfcheck            # small shapes, the 7B shape, the graph; a table last
-    python3 -m kernels.cuda.selfcheck --quick    # small shapes only
+Run from the repository root (no install needed); it lives in bench/ because it drives the engine too,
+and kernels/ never imports engine/.
+
+    python3 -m bench.cuda_selfcheck            # small shapes, the 7B shape, the graph; a table last
+    python3 -m bench.cuda_selfcheck --quick    # small shapes only
 
 Not the ladder (that compares against float64 references with the tolerance table): this is the
 kernel engineer's quick look, backend against backend on the same random inputs, with NaN sentinels
@@ -404,7 +407,9 @@ def main(argv=None):
         print(f"{op:24s} {len(rows):5d} {sum(not r[2] for r in rows):4d} {max(r[3] for r in rows):10.3e} "
               f"{max(r[4] for r in rows):10.3e}")
     if timings:
-        print(f"\n{'timing (median)':56s} {'ms':>8s} {'TB/s':>6s}")
+        # The same weights every launch: a weight smaller than L2 (50 MB) is read from L2, so its TB/s is
+        # not a DRAM bandwidth figure. The speed issue measures with weights rotated through memory.
+        print(f"\n{'timing (median of 20, same buffers each launch)':56s} {'ms':>8s} {'TB/s':>6s}")
         for name, ms, tbs in timings:
             print(f"{name:56s} {ms:8.3f} {tbs:6.2f}")
     bad = rep.failed()
