@@ -320,6 +320,9 @@ def graph_cases(cu, npb, rep: Report, timings: list):
     rep.add("graph == eager (bits)", f"tiny, {steps} decode steps", same, float(np.abs(eager - graph).max()), 0.0,
             f"captures={m._graph.captures}")
     greedy_e, _ = run(m, False)
+    repeats = [run(m, mode, ref_toks)[0] for mode in (False, True, True)]
+    rep.add("determinism (bits)", "3 more runs: eager, graph, graph", all(np.array_equal(r.view(np.uint32), eager.view(np.uint32))
+                                                                         for r in repeats), 0.0, 0.0)
     rep.add("greedy tokens", "cuda eager == numpy", [int(np.argmax(x)) for x in greedy_e] == [int(np.argmax(x)) for x in ref_logits],
             0.0, 0.0)
 
