@@ -285,6 +285,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if not rungs:
         return
     tr.section("nanoqwen ladder")
+    if config.getoption("--plant-fault"):
+        tr.line(f"PLANTED FAULT {config.getoption('--plant-fault')}: this run is meant to fail", red=True)
     tr.line(f"{'rung':<8}{'run':>6}{'passed':>8}{'failed':>8}{'skipped':>9}")
     for r in rungs:
         c = s.counts[r]
