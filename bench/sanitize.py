@@ -113,10 +113,14 @@ def run_under(sanitizer: str, tool: str, what: str) -> tuple[int, str]:
 
 
 def summary_lines(text: str) -> str:
-    keep = [ln for ln in text.splitlines()
-            if re.search(r"ERROR SUMMARY|RACECHECK SUMMARY|Invalid __global__|Race reported|Error: Race|hazard|"
-                         r"SANITIZE-CHILD|Traceback|Error", ln)]
-    return "\n".join("    " + ln for ln in keep[-8:])
+    """The sanitizer's own findings and summary (its lines start with '========='), then the child's verdict."""
+    lines = text.splitlines()
+    found = [ln for ln in lines if ln.startswith("=========")
+             and re.search(r"Invalid|Race reported|ERROR SUMMARY|RACECHECK SUMMARY", ln)]
+    if len(found) > 4:
+        found = found[:3] + found[-1:]
+    own = [ln for ln in lines if "SANITIZE-CHILD" in ln]
+    return "\n".join("    " + ln for ln in found + own[-1:])
 
 
 def main() -> int:
