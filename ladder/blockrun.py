@@ -1,7 +1,7 @@
 """Run one engine decoder block the way the model does: a prefill of L tokens, then decode steps.
 
-Shared by the layer rung and the golden activations. K/V go through a paged cache with a shuffled
-page table and NaN in every free page and unwritten slot, so a read past the valid length shows.
+Used by the layer rung. K/V go through a paged cache with a shuffled page table and NaN in every free
+page and unwritten slot, so a read past the valid length shows.
 """
 
 from __future__ import annotations
@@ -15,25 +15,69 @@ from engine.weights import load_layer_weights
 from fixtures.layer_cases import LayerCase
 
 
-def run_engine_block(backend, config: Qwen2Config, quant: str, get, case: LayerCase, shuffle_seed: int = 0):
-    """(output [T, H] fp32, k [T, nkv, d] fp16, v [T, nkv, d] fp16) from the engine's block."""
+def run_engine_block(backend, config: Qwen2Config, quant: str, get, case: LayerCase, shuffle_seed: int = 0,
+                     captured: bool = False):
+    """(output [T, H] fp32, k [T, nkv, d] fp16, v [T, nkv, d] fp16) from the engine's block.
+
+    With `captured` (cuda backend), the decode steps replay one captured CUDA graph of the block: the
+    step's input row and position go into fixed device buffers before each replay.
+    """
     w = load_layer_weights(backend, config, quant, get, case.layer)
     x = case.inputs(config.hidden_size)
     layer_config = config.replace(num_hidden_layers=1)
     cache = PagedKVCache(layer_config, backend, num_pages=-(-case.total // 16) + 5, debug_nan=True,
                          shuffle_seed=shuffle_seed)
     seq = cache.new_sequence()
-    outputs = []
-    chunks = [(0, case.L)] + [(t, t + 1) for t in range(case.L, case.total)]
-    for lo, hi in chunks:
-        T = hi - lo
-        ws = Workspace(backend, config, T)
-        seq.reserve(T)
-        ws.residual[...] = backend.asarray(x[lo:hi])
-        ws.positions[...] = backend.asarray(np.arange(lo, hi, dtype=np.int32))
-        decoder_block(backend, config, w, ws, cache.k[0], cache.v[0], seq.page_table, decode=T == 1 and lo > 0)
-        seq.length += T
-        outputs.append(backend.to_numpy(ws.residual).copy())
+
+    def block(ws: Workspace, decode: bool):
+        decoder_block(backend, config, w, ws, cache.k[0], cache.v[0], seq.page_table, decode=decode)
+
+    # The prefill, always eager.
+    ws = Workspace(backend, config, case.L)
+    seq.reserve(case.L)
+    ws.residual[...] = backend.asarray(x[: case.L])
+    ws.positions[...] = backend.asarray(np.arange(case.L, dtype=np.int32))
+    block(ws, decode=False)
+    seq.length = case.L
+    outputs = [backend.to_numpy(ws.residual).copy()]
+
+    step = Workspace(backend, config, 1)
+    x_in = backend.empty((1, config.hidden_size), np.float32)  # the step's input row, fixed for the graph
+
+    def body():
+        step.residual[...] = x_in  # the block adds into the residual: start each replay from the input
+        block(step, decode=True)
+
+    replay = _captured(body) if captured else body
+    for t in range(case.L, case.total):
+        seq.reserve(1)  # updates the page table in place: the captured graph reads the new entry
+        x_in[...] = backend.asarray(x[t: t + 1])
+        step.positions[...] = backend.asarray(np.array([t], dtype=np.int32))
+        replay()
+        seq.length += 1
+        outputs.append(backend.to_numpy(step.residual).copy())
     backend.synchronize()
     k, v = seq.gather(0)
     return np.concatenate(outputs), k, v
+
+
+def _captured(body):
+    """`body` captured once as a CUDA graph (after one eager warm-up run); returns its replay."""
+    import cupy
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    graph = None
+
+    def replay():
+        nonlocal graph
+        with stream:
+            stream.wait_event(cupy.cuda.Stream.null.record())
+            if graph is None:
+                body()  # warm-up: compiles, allocates scratch; the replay below redoes the same step
+                stream.begin_capture()
+                body()
+                graph = stream.end_capture()
+            graph.launch(stream)
+            stream.synchronize()
+
+    return replay

@@ -176,7 +176,7 @@ def backend(request, backend_name):
                 if "cuda" in required_backends(request.config):
                     pytest.fail(msg + " (required by --require-backend cuda / NANOQWEN_REQUIRE_GPU=1)")
                 pytest.skip(msg)
-        be = get_backend(backend_name)
+        be = get_backend(backend_name, **_device_options(backend_name))
         spec = request.config.getoption("--plant-fault")
         if spec:
             from ladder.faults import plant
@@ -187,6 +187,16 @@ def backend(request, backend_name):
         record_calls(be, _CALLS)
         _BACKENDS[backend_name] = be
     return _BACKENDS[backend_name]
+
+
+def _device_options(backend_name: str) -> dict:
+    """With pytest-xdist on a machine of several GPUs, worker gwN takes GPU N modulo the GPU count."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if backend_name != "cuda" or not worker.startswith("gw"):
+        return {}
+    import cupy
+
+    return {"device": int(worker[2:]) % cupy.cuda.runtime.getDeviceCount()}
 
 
 @pytest.fixture(scope="session")

@@ -69,6 +69,11 @@ def check_block(backend, block: BlockUnderTest, case: LayerCase, ref_out, ref_k,
     assert_close("block_output", out, ref_out, p_out, backend=backend.name, case=label, seed=case.seed, tol_op="layer")
     assert_close("block_k_pages", k, ref_k, p_k.astype(F16), backend=backend.name, case=label, seed=case.seed, tol_op="layer_kv")
     assert_close("block_v_pages", v, ref_v, p_v.astype(F16), backend=backend.name, case=label, seed=case.seed, tol_op="layer_kv")
+    if backend.name == "cuda":  # the decode steps again, as one captured CUDA graph: equal to eager, bit for bit
+        g_out, g_k, g_v = run_engine_block(backend, block.config, block.quant, block.get, case,
+                                           shuffle_seed=case.seed, captured=True)
+        for name, a, b in (("output", g_out, out), ("k", g_k, k), ("v", g_v, v)):
+            assert np.array_equal(a, b, equal_nan=True), f"{label}: captured block {name} differs from eager"
 
 
 @pytest.fixture(scope="session")
