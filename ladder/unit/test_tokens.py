@@ -1,0 +1,225 @@
+"""Unit rung for the graph rung's judge: ladder/tokens.py on synthetic logits, and the prompt files.
+
+A comparison that cannot fail is worse than none: a real mismatch must fail and say where, a near-tie
+must be recorded and teacher-forced, NaN must fail, and a model too flat to judge must be refused.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from fixtures.prompts import (PromptFileError, default_prompts_path, load_prompts, read_prompt_ids,
+                              seeded_prompts)
+from ladder.tokens import (PAGE, Reference, compare_greedy, engine_logits, flatness, new_tokens_for,
+                           summarize, top2_margin)
+from ladder.tolerances import MAX_NEAR_TIE_FRACTION, NEAR_TIE_EPS
+
+V, N, PROMPT_LEN = 32, 12, 5
+
+
+def clear_reference(seed: int = 0) -> Reference:
+    """Reference logits whose top token leads the runner-up by a wide margin (many epsilons)."""
+    rng = np.random.default_rng(seed)
+    logits = rng.standard_normal((N, V)).astype(np.float32)
+    tokens = rng.integers(0, V, N)
+    logits[np.arange(N), tokens] = logits.max(axis=1) + 40 * NEAR_TIE_EPS
+    return Reference(PROMPT_LEN, np.argmax(logits, axis=1), logits)
+
+
+def runner_up(ref: Reference, step: int) -> int:
+    return int(np.argsort(ref.logits[step])[-2])
+
+
+def test_identical_tokens_pass_exactly():
+    ref = clear_reference()
+    eng = ref.logits + np.float32(NEAR_TIE_EPS / 4)
+    res = compare_greedy("p", ref, eng, backend="numpy")
+    assert res.passed and res.exact == N and not res.near_ties and not res.failures
+    assert res.max_logit_diff == np.abs(eng.astype(np.float64) - ref.logits).max()
+    assert res.min_margin == pytest.approx(float(top2_margin(ref.logits).min()))
+
+
+def test_a_real_mismatch_fails_with_prompt_position_tokens_and_margin():
+    ref = clear_reference()
+    eng = ref.logits.copy()
+    step = 7
+    wrong = runner_up(ref, step)
+    eng[step, wrong] = eng[step].max() + 1
+    res = compare_greedy("p042", ref, eng, backend="numpy")
+    assert not res.passed and res.exact == N - 1 and not res.near_ties
+    (d,) = res.failures
+    margin = float(ref.logits[step, ref.tokens[step]]) - float(ref.logits[step, wrong])
+    assert (d.prompt_id, d.position, d.step, d.ref_token, d.engine_token) == \
+        ("p042", PROMPT_LEN + step, step, int(ref.tokens[step]), wrong)
+    assert d.margin == pytest.approx(margin) and d.margin >= NEAR_TIE_EPS
+    text = res.describe()
+    for part in ("p042", f"position {PROMPT_LEN + step}", f"reference token {ref.tokens[step]}",
+                 f"engine token {wrong}", f"margin {d.margin:.4g}", "FAIL"):
+        assert part in text
+
+
+def near_tie_reference(step: int) -> Reference:
+    ref = clear_reference(1)
+    other = runner_up(ref, step)
+    ref.logits[step, other] = ref.logits[step, ref.tokens[step]] - NEAR_TIE_EPS / 2
+    return ref
+
+
+def test_a_near_tie_is_recorded_and_the_comparison_goes_on():
+    step = 3
+    ref = near_tie_reference(step)
+    eng = ref.logits.copy()
+    other = runner_up(ref, step)
+    eng[step, other] = eng[step].max() + NEAR_TIE_EPS / 8  # the engine picks the runner-up
+    eng[step + 2, runner_up(ref, step + 2)] = eng[step + 2].max() + 1  # and later really diverges
+    res = compare_greedy("p7", ref, eng, backend="numpy")
+    (tie,) = res.near_ties
+    assert (tie.position, tie.ref_token, tie.engine_token) == (PROMPT_LEN + step, int(ref.tokens[step]), other)
+    assert tie.margin == float(ref.logits[step, tie.ref_token]) - float(ref.logits[step, other]) < NEAR_TIE_EPS
+    # the positions after the near-tie are still compared: the later real divergence is found
+    assert [f.step for f in res.failures] == [step + 2] and res.exact == N - 2 and not res.passed
+
+
+def test_only_a_near_tie_passes():
+    step = 3
+    ref = near_tie_reference(step)
+    eng = ref.logits.copy()
+    eng[step, runner_up(ref, step)] = eng[step].max() + NEAR_TIE_EPS / 8
+    res = compare_greedy("p7", ref, eng)
+    assert res.passed and len(res.near_ties) == 1 and res.exact == N - 1
+
+
+class FakeModel:
+    """Records the tokens the engine side is fed; its logits prefer token (fed + 1) % V."""
+
+    def __init__(self):
+        self.fed: list[int] = []
+        self.freed = 0
+
+    def new_sequence(self):
+        model = self
+
+        class Seq:
+            def free(self):
+                model.freed += 1
+        return Seq()
+
+    def _logits(self, tok):
+        row = np.zeros(V, np.float32)
+        row[(tok + 1) % V] = 1
+        return row
+
+    def prefill(self, seq, ids):
+        self.fed += list(ids)
+        return self._logits(ids[-1])
+
+    def decode_step(self, seq, tok):
+        self.fed.append(tok)
+        return self._logits(tok)
+
+
+def test_the_engine_is_teacher_forced_with_the_reference_tokens():
+    ref_tokens = np.array([9, 4, 4, 20, 1])  # the engine would have said 10, 5, 5, 21, ... instead
+    m = FakeModel()
+    logits = engine_logits(m, [3, 8], ref_tokens)
+    assert m.fed == [3, 8, 9, 4, 4, 20], "the engine must continue with the reference's tokens"
+    assert logits.shape == (5, V) and list(np.argmax(logits, axis=1)) == [9, 10, 5, 5, 21]
+    assert m.freed == 1
+
+
+def test_nan_in_the_engine_logits_fails():
+    ref = clear_reference()
+    eng = ref.logits.copy()
+    eng[4, 0] = np.nan
+    res = compare_greedy("p", ref, eng)
+    assert not res.passed and res.nan_positions == 1 and "NaN" in res.describe()
+
+
+def test_a_flat_model_is_refused():
+    ref = clear_reference()
+    flat = Reference(PROMPT_LEN, ref.tokens, ref.logits.copy())
+    n_flat = int(np.floor(MAX_NEAR_TIE_FRACTION * N)) + 1  # just over the limit
+    for step in range(n_flat):
+        flat.logits[step, runner_up(flat, step)] = flat.logits[step, flat.tokens[step]] - NEAR_TIE_EPS / 2
+    assert not flatness([ref]).refused
+    verdict = flatness([flat])
+    assert verdict.refused and verdict.flat == n_flat and "too flat to judge" in verdict.describe()
+    # a flat prompt among enough clear ones stays within the limit: the rule counts positions
+    many = [clear_reference(s) for s in range(int(np.ceil(n_flat / (MAX_NEAR_TIE_FRACTION * N))))]
+    assert not flatness(many + [flat]).refused
+    assert flatness([]).refused, "no positions at all is nothing to judge"
+
+
+def test_summary_adds_up_per_backend():
+    ref = clear_reference()
+    eng = ref.logits.copy()
+    eng[2, runner_up(ref, 2)] = eng[2].max() + 1
+    results = [compare_greedy("a", ref, ref.logits, "numpy"), compare_greedy("b", ref, eng, "numpy").record(),
+               compare_greedy("a", ref, ref.logits, "cuda")]
+    by = {s.backend: s for s in summarize(results)}
+    assert (by["numpy"].prompts, by["numpy"].failed_prompts, by["numpy"].exact, by["numpy"].failures) == (2, 1, 2 * N - 1, 1)
+    assert by["cuda"].exact == N and by["cuda"].min_margin == pytest.approx(float(ref.margins.min()))
+
+
+@pytest.mark.parametrize("L", range(1, 3 * PAGE + 2))
+def test_generation_crosses_the_next_page_boundary(L):
+    n = new_tokens_for(L)
+    boundary = (L // PAGE + 1) * PAGE
+    assert L + n > boundary and 8 <= n <= PAGE + 8
+
+
+# --- prompt files ---------------------------------------------------------------------------------
+
+
+def test_the_seeded_prompt_set_has_what_the_rung_needs():
+    prompts = load_prompts(default_prompts_path())
+    lengths = [len(p.ids) for p in prompts]
+    assert len(prompts) == 100 and min(lengths) == 1 and max(lengths) >= 256
+    assert sum(L % PAGE in (PAGE - 1, 0, 1) for L in lengths) >= 20
+    assert all(0 <= t < 512 for p in prompts for t in p.ids)
+    assert read_prompt_ids(default_prompts_path()) == [p.id for p in prompts]
+
+
+def test_the_seeded_prompt_file_is_what_its_generator_writes():
+    from engine.modelfile import ModelFile
+    from fixtures.tiny_model import default_model_file
+
+    mf = ModelFile(default_model_file())
+    fresh = seeded_prompts(mf.file("tokenizer.json").decode(), mf.config_dict["vocab_size"])
+    assert fresh == load_prompts(default_prompts_path()), \
+        "fixtures/data/prompts-seeded.jsonl is stale: regenerate it with `python -m fixtures.prompts`"
+
+
+def test_text_prompts_are_tokenized_with_the_models_tokenizer(tmp_path):
+    from tokenizers import Tokenizer
+
+    from engine.modelfile import ModelFile
+    from fixtures.tiny_model import default_model_file
+
+    path = default_model_file()
+    tok = Tokenizer.from_str(ModelFile(path).file("tokenizer.json").decode())
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"id": 1, "text": "def f(x):\n"}) + "\n\n" + json.dumps({"id": "b", "ids": [4, 5]}) + "\n")
+    a, b = load_prompts(f, path)
+    assert (a.id, a.ids) == ("1", tuple(tok.encode("def f(x):\n").ids)) and (b.id, b.ids) == ("b", (4, 5))
+    with pytest.raises(PromptFileError, match="needs the model"):
+        load_prompts(f)
+
+
+@pytest.mark.parametrize("lines, message", [
+    ([{"id": "a", "ids": [1]}, {"id": "a", "ids": [2]}], "duplicate prompt id"),
+    ([{"id": "a"}], "neither 'ids' nor 'text'"),
+    ([{"ids": [1]}], "needs an 'id'"),
+    ([{"id": "a", "ids": []}], "non-empty list"),
+    ([{"id": "a", "ids": [1, -2]}], "non-negative"),
+    (["{not json"], "not JSON"),
+    ([], "no prompts"),
+])
+def test_bad_prompt_files_are_refused_by_line(tmp_path, lines, message):
+    f = tmp_path / "bad.jsonl"
+    f.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    with pytest.raises(PromptFileError, match=message):
+        load_prompts(f)
