@@ -16,6 +16,16 @@ wraps one to plant a fault or capture activations; a wrapper is a different obje
 inputs (idempotent: it writes the same K/V slot and logits), so every scratch buffer exists and no
 allocation happens inside the capture. A wrapper that cannot be captured (one that copies to the
 host, say) raises GraphCaptureError; turn the graph off with `model.enable_cuda_graph(False)` for it.
+
+Two ways to drive it:
+- `step(seq, ids)`: one token from the host, returns the device logits after a synchronize (what
+  `Model.decode_step` and the ladder use; the logits are copied to the host by the caller).
+- `generate(seq, first_id, n, stop)`: the fast loop `Model.generate` uses. Pages for all n steps are
+  reserved and the page table copied once; then per token: replay the graph, `decode_advance` (the
+  picked token becomes the next input, the position moves on, on the device), and an asynchronous
+  4-byte copy of the token into pinned host memory. The host reads token i only after step i + 1 is
+  queued, so the GPU always has the next step waiting; logits never leave the device. A stop token
+  found late costs one wasted step, whose K/V slot lies past the sequence's length.
 """
 
 from __future__ import annotations
@@ -78,24 +88,71 @@ class DecodeGraph:
         self.graph = graph
         self.captures += 1
 
-    def step(self, seq, ids: np.ndarray):
-        """One token through the model at position seq.length; returns the device logits (fp32 [V])."""
+    def _prepare(self, seq, ids):
+        """Inputs into the graph's fixed buffers (on self.stream), then (re)capture if needed."""
+        cp, ws = self._cp, self.model._decode_ws
+        # Prefill and page-table updates ran on the legacy default stream; this stream does not
+        # synchronise with it implicitly (non-blocking), so wait for it explicitly.
+        self.stream.wait_event(cp.cuda.Stream.null.record())
+        if self._page_table is None or self._page_table.shape != seq.page_table.shape:
+            self._page_table = cp.empty(seq.page_table.shape, dtype=np.int32)
+        ws.ids[...] = cp.asarray(np.asarray(ids, dtype=np.int32))
+        ws.positions[...] = cp.asarray(np.array([seq.length], dtype=np.int32))
+        self._page_table[...] = seq.page_table
+        key = self._bindings() + (self._page_table.data.ptr,)
+        if self.graph is None or key != self._key:
+            self._capture()
+            self._key = key
+
+    def generate(self, seq, first_id: int, n: int, stop=(), events: list | None = None) -> list[int]:
+        """Up to n decode steps from token first_id at position seq.length; the tokens they pick.
+
+        Stops after a token in `stop` (included). `events`, when given, gets a CUDA event recorded
+        after each step (the bench times steps with them)."""
         cp, m = self._cp, self.model
         ws = m._decode_ws
+        if n <= 0:
+            return []
+        seq.reserve(n)
+        host = cp.cuda.alloc_pinned_memory(4 * n)
+        tokens = np.frombuffer(host, dtype=np.int32, count=n)
+        done: list = []
+        out: list[int] = []
+        start = seq.length
+        with self.stream:
+            self._prepare(seq, [first_id])
+            advance = getattr(m.backend, "decode_advance")
+            for i in range(n):
+                self.graph.launch(self.stream)
+                advance(m._next, ws.ids, ws.positions)
+                cp.cuda.runtime.memcpyAsync(tokens.ctypes.data + 4 * i, m._next.data.ptr, 4,
+                                            cp.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
+                ev = self.stream.record()
+                done.append(ev)
+                if events is not None:
+                    events.append(ev)
+                if i >= 1 and self._collect(done, tokens, out, i - 1, stop):
+                    break
+            else:
+                self._collect(done, tokens, out, n - 1, stop)
+            self.stream.synchronize()
+        seq.length = start + len(out)
+        return out
+
+    @staticmethod
+    def _collect(done, tokens, out, i, stop) -> bool:
+        """Wait for step i's token; append it; True when it is a stop token."""
+        done[i].synchronize()
+        tok = int(tokens[i])
+        out.append(tok)
+        return tok in stop
+
+    def step(self, seq, ids: np.ndarray):
+        """One token through the model at position seq.length; returns the device logits (fp32 [V])."""
+        m = self.model
         seq.reserve(1)
         with self.stream:
-            # Prefill and page-table updates ran on the legacy default stream; this stream does not
-            # synchronise with it implicitly (non-blocking), so wait for it explicitly.
-            self.stream.wait_event(cp.cuda.Stream.null.record())
-            if self._page_table is None or self._page_table.shape != seq.page_table.shape:
-                self._page_table = cp.empty(seq.page_table.shape, dtype=np.int32)
-            ws.ids[...] = cp.asarray(np.asarray(ids, dtype=np.int32))
-            ws.positions[...] = cp.asarray(np.array([seq.length], dtype=np.int32))
-            self._page_table[...] = seq.page_table
-            key = self._bindings() + (self._page_table.data.ptr,)
-            if self.graph is None or key != self._key:
-                self._capture()
-                self._key = key
+            self._prepare(seq, ids)
             self.graph.launch(self.stream)
             self.stream.synchronize()
         seq.length += 1

@@ -147,7 +147,15 @@ class Model:
             self.prefill(seq, ids)
             if timings is not None:
                 timings.prefill_s = time.perf_counter() - t0
-            while len(out) < max_new_tokens:
+            if self._graph is not None and max_new_tokens > 0:  # fast path: tokens stay on the device
+                out.append(self._argmax())
+                if out[0] not in stop and max_new_tokens > 1:
+                    t0 = time.perf_counter()
+                    new = self._graph.generate(seq, out[0], max_new_tokens - 1, stop)
+                    if timings is not None and new:  # the loop is asynchronous: the mean per token
+                        timings.decode_s.extend([(time.perf_counter() - t0) / len(new)] * len(new))
+                    out.extend(new)
+            while len(out) < max_new_tokens and not (out and out[-1] in stop):
                 token = self._argmax()
                 out.append(token)
                 if token in stop or len(out) == max_new_tokens:

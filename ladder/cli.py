@@ -240,6 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("file")
     i.add_argument("--no-verify", action="store_true", help="skip the checksum pass")
     i.set_defaults(func=cmd_inspect)
+
+    from ladder.bench import register as register_bench
+    register_bench(sub)
     return p
 
 

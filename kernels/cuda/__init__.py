@@ -6,10 +6,13 @@ backend (kernels/numpy/, the executable spec) op for op, with the same precision
 residual, fp16 activations and KV pages, fp32 accumulation, fp32 logits, lowest index on an argmax tie,
 no atomics (results do not depend on timing).
 
-Paths: with T = 1 (decode) the quantized linears are INT4 GEMV kernels that unpack in registers. With
-T > 1 (prefill) the launcher dequantizes the weight to fp32 (exact: (nibble - 8) * fp16 scale) and
-multiplies with cuBLAS in fp32 (through cupy.matmul), then runs a fused epilogue kernel. Attention with
-T = 1 splits long page tables across blocks and merges the splits in a fixed order.
+Paths: with T = 1 (decode) the quantized linears are INT4 GEMV kernels that unpack in registers, split
+over the input dimension inside each block (`gemv_config` picks threads and rows per block for each
+op). With T > 1 (prefill) a tensor-core kernel multiplies fp16 x by the unscaled nibbles (exact in
+fp16) one 128-group at a time with fp32 accumulation and applies the scales per group (no weight is
+rounded), then a fused epilogue kernel runs. Attention with T = 1 splits the used pages evenly over a
+fixed number of blocks (computed on the device from the current length) and merges the splits in a
+fixed order.
 
 Every launch goes to CuPy's current stream, and nothing in a T = 1 op allocates memory once its scratch
 exists, so the decode step can be captured as a CUDA graph (engine/cuda_graph.py).
@@ -30,7 +33,11 @@ from kernels.cuda import loader
 
 PAGE = 16
 GROUP = 128
-GEMV_WARPS, GEMV_ROWS = 4, 4  # must match int4_gemv.cu
+# GEMV (threads per block, accumulator rows per block) per op; each pair must be one of int4_gemv.cu's
+# entry points int4_gemv_*_t{threads}_r{rows}. gate/up's rows count gate and up rows together.
+GEMV_VARIANTS = ((64, 4), (128, 4), (128, 8), (256, 8))
+GEMV_CONFIG = {"qkv_proj": (128, 4), "o_proj_residual": (128, 4), "gate_up_silu": (128, 8), "down_residual": (128, 4)}
+MMA_BM, MMA_BN = 64, 128  # must match int4_gemv.cu
 LM_WARPS, LM_ROWS = 4, 4  # must match embed_lmhead_argmax.cu
 ATT_THREADS, ATT_MAX_ITEMS = 128, 16  # must match paged_attention.cu
 SHARED_LIMIT = 48 * 1024  # static+dynamic shared memory without an opt-in attribute
@@ -59,7 +66,7 @@ class CudaBackend:
     name = "cuda"
     formats = ("int4_sym_g128",)
 
-    def __init__(self, device: int | None = None, pages_per_split: int = 16):
+    def __init__(self, device: int | None = None, pages_per_split: int | None = None):
         try:
             n = cp.cuda.runtime.getDeviceCount()
         except Exception as e:  # CUDARuntimeError: no driver, no device
@@ -68,7 +75,11 @@ class CudaBackend:
             raise BackendUnavailableError("backend 'cuda' sees no CUDA device")
         if device is not None:
             cp.cuda.Device(device).use()
-        self.pages_per_split = pages_per_split  # decode attention: KV pages per block (split-K)
+        # decode attention: KV pages per block (split-K); None spreads the used pages over att_blocks
+        # blocks, computed on the device from the current length (the split count is fixed per launch)
+        self.pages_per_split = pages_per_split
+        self.att_blocks = 2 * cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["multiProcessorCount"]
+        self.gemv_config = dict(GEMV_CONFIG)
         self.gemv_max_tokens = 1  # T above this takes the dequantize + cuBLAS path
         self._k = loader.kernels()
         self._scratch: dict[str, cp.ndarray] = {}
@@ -122,52 +133,57 @@ class CudaBackend:
             raise FormatNotSupportedError(f"backend 'cuda' has no kernel for format {w.format!r}")
         return w["qweight"], w["scales"]
 
-    def _gemv(self, kernel: str, x, w, rows: int, *args) -> None:
+    def _gemv(self, op: str, kernel: str, x, w, rows: int, *args) -> None:
         qweight, scales = self._weight(w)
         if x.data.ptr % 16:
             raise ValueError("x: the GEMV kernels read activations in 16-byte loads; x is not 16-byte aligned")
+        threads, r = self.gemv_config[op]
+        if (threads, r) not in GEMV_VARIANTS:
+            raise ValueError(f"gemv_config[{op!r}] = {(threads, r)} is not one of {GEMV_VARIANTS}")
+        per_block = r // 2 if op == "gate_up_silu" else r
         T = x.shape[0]
-        grid = (-(-rows // (GEMV_WARPS * GEMV_ROWS)), T)
-        self._k[kernel](grid, (GEMV_WARPS * 32,), (x, qweight, scales, *args, _i32(rows), _i32(w.in_features)))
+        grid = (-(-rows // per_block), T)
+        self._k[f"{kernel}_t{threads}_r{r}"](grid, (threads,), (x, qweight, scales, *args, _i32(rows), _i32(w.in_features)))
 
     def _matmul_f32(self, x, w):
-        """fp32 [T, out] = x W^T through an exact fp32 dequantization and cuBLAS (prefill path)."""
+        """fp32 [T, out] = x W^T on the tensor cores, exact products, fp32 sums (prefill path)."""
         qweight, scales = self._weight(w)
-        w32 = self.scratch("dequant_w", (w.out_features, w.in_features), np.float32)
-        n_words = w.out_features * w.in_features // 8
-        self._k["int4_dequant_f32"]((_blocks(n_words),), (_EW_BLOCK,),
-                                    (qweight, scales, w32, _i32(w.out_features), _i32(w.in_features)))
-        return cp.matmul(x.astype(np.float32), w32.T)
+        if x.data.ptr % 16:
+            raise ValueError("x: the prefill kernel reads activations in 16-byte loads; x is not 16-byte aligned")
+        T, N, K = x.shape[0], w.out_features, w.in_features
+        y = self.scratch("prefill_y", (T, N), np.float32)
+        self._k["int4_mma_f32"]((-(-N // MMA_BN), -(-T // MMA_BM)), (256,), (x, qweight, scales, y, _i32(T), _i32(N), _i32(K)))
+        return y
 
     def qkv_proj(self, x, w, bias, out):
         _need(x, np.float16, "x"), _need(bias, np.float16, "bias"), _need(out, np.float16, "out")
         T, rows = x.shape[0], w.out_features
         if T <= self.gemv_max_tokens:
-            self._gemv("int4_gemv_bias_f16", x, w, rows, bias, out)
+            self._gemv("qkv_proj", "int4_gemv_bias_f16", x, w, rows, bias, out)
         else:
             y = self._matmul_f32(x, w)
             self._k["epi_bias_f16"]((_blocks(T * rows),), (_EW_BLOCK,), (y, bias, out, _i32(T), _i32(rows)))
 
-    def _linear_residual(self, x, w, residual):
+    def _linear_residual(self, op, x, w, residual):
         _need(x, np.float16, "x"), _need(residual, np.float32, "residual")
         T, rows = x.shape[0], w.out_features
         if T <= self.gemv_max_tokens:
-            self._gemv("int4_gemv_residual_f32", x, w, rows, residual)
+            self._gemv(op, "int4_gemv_residual_f32", x, w, rows, residual)
         else:
             y = self._matmul_f32(x, w)
             self._k["epi_residual_f32"]((_blocks(T * rows),), (_EW_BLOCK,), (y, residual, _i32(T), _i32(rows)))
 
     def o_proj_residual(self, x, w, residual):
-        self._linear_residual(x, w, residual)
+        self._linear_residual("o_proj_residual", x, w, residual)
 
     def down_residual(self, x, w, residual):
-        self._linear_residual(x, w, residual)
+        self._linear_residual("down_residual", x, w, residual)
 
     def gate_up_silu(self, x, w, out):
         _need(x, np.float16, "x"), _need(out, np.float16, "out")
         T, inter = x.shape[0], w.out_features // 2
         if T <= self.gemv_max_tokens:
-            self._gemv("int4_gemv_silu_mul_f16", x, w, inter, out)
+            self._gemv("gate_up_silu", "int4_gemv_silu_mul_f16", x, w, inter, out)
         else:
             y = self._matmul_f32(x, w)
             self._k["epi_silu_mul_f16"]((_blocks(T * inter),), (_EW_BLOCK,), (y, out, _i32(T), _i32(inter)))
@@ -214,8 +230,13 @@ class CudaBackend:
         if smem > SHARED_LIMIT:
             raise ValueError(f"attention: head_dim {d} with {group} heads per KV head needs {smem} B of shared memory")
         max_pages = page_table.shape[0]
-        pps = self.pages_per_split if split else max_pages
-        splits = -(-max_pages // pps)
+        if not split:
+            pps, splits = max_pages, 1
+        elif self.pages_per_split:
+            pps = self.pages_per_split
+            splits = -(-max_pages // pps)
+        else:  # dynamic: the kernel spreads the used pages over `splits` blocks per (KV head, token)
+            pps, splits = 0, max(1, min(max_pages, -(-self.att_blocks // (nkv * T))))
         scale = np.float32(1.0 / np.sqrt(d))
         if splits == 1:
             dummy = out  # partial buffers are not touched with one split
@@ -247,6 +268,10 @@ class CudaBackend:
             raise ValueError("lm_head: x and weight must be 16-byte aligned (16-byte loads)")
         T = x.shape[0]
         self._k["lm_head_f16_f32"]((-(-V // (LM_WARPS * LM_ROWS)), T), (LM_WARPS * 32,), (x, weight, out, _i32(V), _i32(H)))
+
+    def decode_advance(self, next_id, ids, positions):
+        """ids[0] = next_id[0]; positions[0] += 1 (on the device; the fast decode loop's glue)."""
+        self._k["decode_advance_i32"]((1,), (32,), (next_id, ids, positions))
 
     def argmax(self, logits, out):
         _need(logits, np.float32, "logits"), _need(out, np.int32, "out")

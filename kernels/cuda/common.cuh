@@ -16,6 +16,7 @@ typedef unsigned short f16_bits;  // one IEEE fp16 value, bit pattern
 #define FULL_MASK 0xffffffffu
 
 __device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
+__device__ __forceinline__ int imax(int a, int b) { return a > b ? a : b; }
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 __device__ __forceinline__ float quiet_nan() { return __int_as_float(0x7fc00000); }
 

@@ -97,3 +97,14 @@ extern "C" __global__ void argmax_f32_i32(const float* __restrict__ logits, int*
         if (lane == 0) out[0] = bi;
     }
 }
+
+// The fast decode loop's step between two graph replays (engine/cuda_graph.py): the token just picked
+// becomes the next input and the position moves on by one, all on the device, so the host never has
+// to read a token before it launches the next step.
+extern "C" __global__ void decode_advance_i32(const int* __restrict__ next, int* __restrict__ ids,
+                                              int* __restrict__ positions) {
+    if (threadIdx.x == 0 && blockIdx.x == 0) {
+        ids[0] = next[0];
+        positions[0] += 1;
+    }
+}

@@ -12,8 +12,10 @@
 // splits == 1: the block writes the normalised output. splits > 1 (decode, long caches): block z covers
 // pages [z * pages_per_split, (z + 1) * pages_per_split) and writes its partial (m, l, acc) to scratch;
 // attention_combine merges the splits in a fixed order (deterministic; no atomics). The split count
-// comes from the page table's capacity, not the current length, so a captured graph stays valid;
-// splits past the length write an empty partial (l = 0).
+// (the grid) is fixed when the launch is recorded, so a captured graph stays valid as the sequence
+// grows; splits past the length write an empty partial (l = 0). With pages_per_split <= 0 the span is
+// computed on the device from the current length, ceil(used pages / splits), so the work spreads over
+// every block at any context (decode attention that scales with context); a positive value fixes it.
 //
 // Shared memory (dynamic, floats): K page [16][d+1] (the +1 pad puts the 16 slots of one column in
 // 16 different banks for the score loop), V page [16][d], q [group][d], p [group][16], m/l/alpha [group].
@@ -42,6 +44,10 @@ paged_attention_f16(const f16_bits* __restrict__ q, const f16_bits* __restrict__
     float* As = Ls + group;             // [group] rescale factor of this page
 
     const int n_keys = positions[t] + 1;
+    if (pages_per_split <= 0) {  // dynamic: spread the used pages evenly over the splits
+        const int used = imin((n_keys + PAGE - 1) / PAGE, max_pages);
+        pages_per_split = imax(1, (used + splits - 1) / splits);
+    }
     const int first_page = z * pages_per_split;
     // exclusive; never past the page table, even if a position were (wrongly) beyond it
     const int last_page = imin(imin((z + 1) * pages_per_split, (n_keys + PAGE - 1) / PAGE), max_pages);

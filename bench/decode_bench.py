@@ -1,0 +1,634 @@
+"""`nanoqwen bench`: decode speed of the CUDA engine at a real model shape, against the bandwidth floor.
+
+    python3 -m ladder bench --shape qwen2.5-coder-7b [--out DIR] [--peers hf,int4mm,hf-compile]
+
+What it does, in order, on one GPU, with no checkpoint:
+1. the copy-rate ceiling: a device-to-device copy of a few GB (read + write counted), so the floor is
+   this machine's: floor = bytes a decode step must read / copy rate;
+2. seeded random INT4 weights of the shape, made on the GPU (a hash of the tensor's name and index,
+   so a rerun builds the same model);
+3. (optional) a sweep of the GEMV kernel variants per op, each checked against the default variant,
+   times with cold weights (all layers in one graph);
+4. correctness before any time is printed: greedy tokens of the captured graph == eager, and the first
+   8 tokens agree with a float32 PyTorch run of the same dequantized weights (teacher-forced on the
+   engine's tokens; a disagreement under the ladder's near-tie epsilon is a near-tie, anything else
+   fails). A failed check prints FAIL and no times;
+5. the article's protocol: a 512-token prompt (TTFT: prefill + first token on the host), then 128
+   greedy tokens through the fast graph loop (per-step times from CUDA events), and eager steps;
+6. a per-kernel table of one decode step at that context: each op replayed for every layer in one
+   graph (distinct weights and KV per layer, so nothing is served from L2 that a real step would not
+   find there), time, bytes, share of the copy rate;
+7. peers, each in its own process with a time limit (bench/peers.py): HF transformers bf16 eager,
+   HF static cache + torch.compile, PyTorch's tinygemm INT4 matmul chained as a decode step;
+8. JSON (bench.json) and, where matplotlib exists, a chart (bench.png) under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+GROUP = 128
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shape", default="qwen2.5-coder-7b", help="a named shape of engine/config.py SHAPES")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="reports/bench", help="folder for bench.json and bench.png")
+    p.add_argument("--peers", default="hf,int4mm", help="comma list of hf, hf-compile, int4mm ('' for none)")
+    p.add_argument("--peer-timeout", type=float, default=150.0, help="seconds per peer process")
+    p.add_argument("--no-sweep", action="store_true", help="skip the GEMV variant sweep")
+    p.add_argument("--no-reference", action="store_true", help="skip the float32 PyTorch check (not recommended)")
+
+
+# ---- random weights on the GPU ---------------------------------------------------------------------
+
+_HASH = None
+
+
+def _hash_kernel():
+    global _HASH
+    if _HASH is None:
+        import cupy as cp
+
+        _HASH = cp.ElementwiseKernel(
+            "uint64 seed", "uint32 out",
+            """
+            unsigned long long z = seed + (unsigned long long)i * 0x9E3779B97F4A7C15ull;
+            z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+            z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+            out = (unsigned int)(z ^ (z >> 31));
+            """, "nanoqwen_bench_hash")
+    return _HASH
+
+
+def _seed(name: str, seed: int) -> np.uint64:
+    import zlib
+
+    return np.uint64((zlib.crc32(name.encode()) << 20) ^ (seed * 0x9E3779B1) ^ 0x5DEECE66D)
+
+
+def fill_u32(arr, name, seed):
+    import cupy as cp
+
+    flat = arr.reshape(-1).view(cp.uint32) if arr.dtype.itemsize == 4 else None
+    if flat is None:
+        raise TypeError("fill_u32 wants a 4-byte dtype")
+    _hash_kernel()(_seed(name, seed), flat)
+
+
+def fill_uniform_f16(arr, lo, hi, name, seed):
+    """fp16 values uniform in [lo, hi) from the hash."""
+    import cupy as cp
+
+    u = cp.empty(arr.size, dtype=cp.uint32)
+    _hash_kernel()(_seed(name, seed), u)
+    arr[...] = (lo + (hi - lo) * (u.astype(cp.float32) / np.float32(2**32))).astype(cp.float16).reshape(arr.shape)
+
+
+def fill_normal_f16(arr, std, name, seed):
+    """fp16 values ~ N(0, std^2) (sum of four uniforms, scaled: light tails, enough for a benchmark)."""
+    import cupy as cp
+
+    u = cp.empty((4, arr.size), dtype=cp.uint32)
+    _hash_kernel()(_seed(name, seed), u)
+    x = (u.astype(cp.float32) / np.float32(2**32) - 0.5).sum(axis=0) * np.float32(np.sqrt(3.0))
+    arr[...] = (x * np.float32(std)).astype(cp.float16).reshape(arr.shape)
+
+
+def build_model(config, seed: int, cache_tokens: int):
+    """The engine on the cuda backend with seeded random weights made on the GPU (no checkpoint)."""
+    from engine.model import Model
+
+    def get(name, dtype, shape):  # placeholders: zero pages, overwritten on the device below
+        return np.zeros(shape, dtype=dtype)
+
+    model = Model(config, "int4_sym_g128", "cuda", get, cache_tokens=cache_tokens)
+    c = config
+    for w in model.layers:
+        p = f"layer{w.index}."
+        for key in ("qkv", "o_proj", "gate_up", "down"):
+            q = getattr(w, key)
+            fill_u32(q["qweight"], p + key + ".qweight", seed)
+            # scales giving each linear about unit gain: nibble - 8 has std ~4.6
+            lo, hi = 0.5 / (4.6 * np.sqrt(q.in_features)), 1.5 / (4.6 * np.sqrt(q.in_features))
+            fill_uniform_f16(q["scales"], lo, hi, p + key + ".scales", seed)
+        fill_normal_f16(w.qkv_bias, 0.1, p + "bias", seed)
+        fill_uniform_f16(w.input_layernorm, 0.9, 1.1, p + "ln1", seed)
+        fill_uniform_f16(w.post_attention_layernorm, 0.9, 1.1, p + "ln2", seed)
+    fill_normal_f16(model.embed_tokens, 1.0, "embed", seed)
+    fill_uniform_f16(model.norm, 0.9, 1.1, "norm", seed)
+    if model.lm_head is not model.embed_tokens:
+        fill_normal_f16(model.lm_head, 4.0 / np.sqrt(c.hidden_size), "lm_head", seed)
+    model.backend.synchronize()
+    return model
+
+
+# ---- bytes --------------------------------------------------------------------------------------
+
+def op_bytes(model, ctx: int) -> dict[str, float]:
+    """Bytes one decode step's op reads and writes, per call (per layer for the block ops)."""
+    c = model.config
+    H, I, V, d, nq, nkv = c.hidden_size, c.intermediate_size, c.vocab_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
+    w = model.layers[0]
+
+    def qb(q):
+        return q["qweight"].nbytes + q["scales"].nbytes
+
+    return {
+        "embed": H * 2 + H * 4,
+        "rmsnorm": H * 4 + H * 2 + H * 2,
+        "qkv_proj": qb(w.qkv) + w.qkv_bias.nbytes + H * 2 + c.qkv_size * 2,
+        "rope_kv_write": c.qkv_size * 2 * 2,
+        "attention_decode": 2 * ctx * nkv * d * 2 + 2 * nq * d * 2,
+        "o_proj_residual": qb(w.o_proj) + c.q_size * 2 + 2 * H * 4,
+        "gate_up_silu": qb(w.gate_up) + H * 2 + I * 2,
+        "down_residual": qb(w.down) + I * 2 + 2 * H * 4,
+        "final rmsnorm": H * 4 + H * 2 + H * 2,
+        "lm_head": V * H * 2 + H * 2 + V * 4,
+        "argmax": V * 4,
+    }
+
+
+def step_bytes(model, ctx: int) -> float:
+    b = op_bytes(model, ctx)
+    L = model.config.num_hidden_layers
+    per_layer = 2 * b["rmsnorm"] + sum(b[k] for k in ("qkv_proj", "rope_kv_write", "attention_decode",
+                                                       "o_proj_residual", "gate_up_silu", "down_residual"))
+    return b["embed"] + L * per_layer + b["final rmsnorm"] + b["lm_head"] + b["argmax"]
+
+
+# ---- timing helpers -----------------------------------------------------------------------------
+
+def time_graph(fn, reps: int = 10, warm: int = 2) -> float:
+    """Capture fn() once as a CUDA graph; median ms of `reps` replays (CUDA events)."""
+    import cupy as cp
+
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        fn()  # eager once: scratch exists before the capture
+        s.synchronize()
+        s.begin_capture()
+        fn()
+        g = s.end_capture()
+        for _ in range(warm):
+            g.launch(s)
+        times = []
+        for _ in range(reps):
+            a, b = cp.cuda.Event(), cp.cuda.Event()
+            a.record(s)
+            g.launch(s)
+            b.record(s)
+            b.synchronize()
+            times.append(cp.cuda.get_elapsed_time(a, b))
+    return float(np.median(times))
+
+
+def copy_rate(nbytes: int = 4 << 30, reps: int = 10) -> float:
+    """Device-to-device copy, read + write counted, TB/s (median)."""
+    import cupy as cp
+
+    src = cp.empty(nbytes // 4, dtype=cp.uint32)
+    fill_u32(src, "copy", 1)
+    dst = cp.empty_like(src)
+    times = []
+    for i in range(reps + 2):
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record()
+        dst[...] = src
+        b.record()
+        b.synchronize()
+        if i >= 2:
+            times.append(cp.cuda.get_elapsed_time(a, b))
+    ms = float(np.median(times))
+    del src, dst
+    cp.get_default_memory_pool().free_all_blocks()
+    return 2 * nbytes / (ms * 1e-3) / 1e12
+
+
+# ---- state for one decode step at a given context ---------------------------------------------------
+
+def prefilled(model, prompt):
+    seq = model.new_sequence()
+    logits = model.prefill(seq, prompt)
+    return seq, int(np.argmax(logits))
+
+
+def block_op_calls(model, seq):
+    """name -> fn(layer) calling that backend op for one layer with the decode workspace."""
+    be, c, ws = model.backend, model.config, model._decode_ws
+    cache = model.cache
+    pt = seq.page_table
+    return {
+        "rmsnorm": lambda i: be.rmsnorm(ws.residual, model.layers[i].input_layernorm, c.rms_norm_eps, ws.h),
+        "qkv_proj": lambda i: be.qkv_proj(ws.h, model.layers[i].qkv, model.layers[i].qkv_bias, ws.qkv),
+        "rope_kv_write": lambda i: be.rope_kv_write(ws.qkv, ws.positions, cache.k[i], cache.v[i], pt, c.rope_theta, ws.q),
+        "attention_decode": lambda i: be.attention_decode(ws.q, cache.k[i], cache.v[i], pt, ws.positions, ws.attn),
+        "o_proj_residual": lambda i: be.o_proj_residual(ws.attn, model.layers[i].o_proj, ws.residual),
+        "gate_up_silu": lambda i: be.gate_up_silu(ws.h, model.layers[i].gate_up, ws.act),
+        "down_residual": lambda i: be.down_residual(ws.act, model.layers[i].down, ws.residual),
+    }
+
+
+def set_decode_inputs(model, seq, token: int):
+    """The decode workspace at position seq.length with `token` (what one decode step reads)."""
+    ws = model._decode_ws
+    seq.reserve(1)
+    ws.ids[...] = model.backend.asarray(np.array([token], np.int32))
+    ws.positions[...] = model.backend.asarray(np.array([seq.length], np.int32))
+
+
+def per_kernel_table(model, seq, token, copy_tbs):
+    import cupy as cp
+
+    be, c, ws = model.backend, model.config, model._decode_ws
+    L = c.num_hidden_layers
+    set_decode_inputs(model, seq, token)
+    ctx = seq.length + 1
+    nbytes = op_bytes(model, ctx)
+    saved = ws.residual.copy()
+    calls = block_op_calls(model, seq)
+    rows = []
+    for name, fn in calls.items():
+        ms = time_graph(lambda: [fn(i) for i in range(L)]) / L
+        count = 2 * L if name == "rmsnorm" else L
+        rows.append((name, count, ms, nbytes[name]))
+        ws.residual[...] = saved
+    h1 = ws.h[:1]
+    ends = {
+        "embed": (lambda: be.embed(ws.ids, model.embed_tokens, ws.residual), nbytes["embed"]),
+        "final rmsnorm": (lambda: be.rmsnorm(ws.residual[:1], model.norm, c.rms_norm_eps, model._final_h), nbytes["final rmsnorm"]),
+        "lm_head": (lambda: be.lm_head(h1, model.lm_head, model._logits), nbytes["lm_head"]),
+        "argmax": (lambda: be.argmax(model._logits, model._next), nbytes["argmax"]),
+    }
+    for name, (fn, nb) in ends.items():
+        ms = time_graph(lambda: [fn() for _ in range(4)]) / 4
+        rows.append((name, 1, ms, nb))
+    ws.residual[...] = saved
+    table = []
+    for name, count, ms, nb in rows:
+        table.append({"op": name, "calls": count, "ms_per_call": ms, "ms_per_step": ms * count,
+                      "bytes_per_call": nb, "tbs": nb / (ms * 1e-3) / 1e12,
+                      "pct_copy_rate": 100 * nb / (ms * 1e-3) / 1e12 / copy_tbs})
+    cp.cuda.Stream.null.synchronize()
+    return table
+
+
+def sweep_gemv(model, seq, token):
+    """Time every GEMV variant per op (cold weights), check each against the default, keep the fastest."""
+    from kernels.cuda import GEMV_VARIANTS
+
+    be, L = model.backend, model.config.num_hidden_layers
+    ws = model._decode_ws
+    set_decode_inputs(model, seq, token)
+    calls = block_op_calls(model, seq)
+    calls["rmsnorm"](0)
+    saved = ws.residual.copy()
+    outs = {"qkv_proj": ws.qkv, "o_proj_residual": ws.residual, "gate_up_silu": ws.act, "down_residual": ws.residual}
+    result = {}
+    for op, out in outs.items():
+        default = be.gemv_config[op]
+        ws.residual[...] = saved
+        calls[op](0)
+        ref = be.to_numpy(out).astype(np.float64)
+        timings = {}
+        for var in GEMV_VARIANTS:
+            be.gemv_config[op] = var
+            ws.residual[...] = saved
+            calls[op](0)
+            got = be.to_numpy(out).astype(np.float64)
+            err = float(np.abs(got - ref).max() / max(1.0, np.abs(ref).max()))
+            ms = time_graph(lambda: [calls[op](i) for i in range(L)]) / L
+            timings[f"t{var[0]}_r{var[1]}"] = {"ms": ms, "max_rel_err_vs_default": err, "ok": err < 4e-3}
+        best = min((v for v in GEMV_VARIANTS if timings[f"t{v[0]}_r{v[1]}"]["ok"]),
+                   key=lambda v: timings[f"t{v[0]}_r{v[1]}"]["ms"], default=default)
+        be.gemv_config[op] = best
+        result[op] = {"default": list(default), "chosen": list(best), "variants": timings}
+    ws.residual[...] = saved
+    return result
+
+
+# ---- the float32 PyTorch reference ------------------------------------------------------------------
+
+def torch_reference_logits(model, ids, last: int):
+    """fp32 logits of the last `last` positions of `ids` (one causal forward pass), from the engine's
+    device tensors dequantized independently in PyTorch. TF32 off."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    c = model.config
+    t = lambda a: torch.from_dlpack(a)  # noqa: E731  zero-copy from CuPy (or NumPy)
+    dev = t(model.embed_tokens).device
+    order = [0, 2, 4, 6, 1, 3, 5, 7]  # nibble k holds element order[k] of its word
+
+    def deq(q):
+        qw = t(q["qweight"].view(np.int32))
+        out_f, words = qw.shape
+        nib = torch.stack([(qw >> (4 * k)) & 0xF for k in range(8)], dim=-1)  # [out, words, nibble k]
+        elem = torch.empty_like(nib)
+        elem[..., order] = nib
+        vals = elem.reshape(out_f, words * 8).float() - 8.0
+        return vals * t(q["scales"]).float().repeat_interleave(GROUP, dim=1)
+
+    def rms(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps) * t(w).float()
+
+    T = len(ids)
+    d, nq, nkv = c.head_dim, c.num_attention_heads, c.num_key_value_heads
+    ids_t = torch.as_tensor(np.asarray(ids, np.int64), device=dev)
+    x = t(model.embed_tokens)[ids_t].float()
+    inv = 1.0 / (c.rope_theta ** (torch.arange(0, d, 2, device=dev, dtype=torch.float32) / d))
+    ang = torch.arange(T, device=dev, dtype=torch.float32)[:, None] * inv[None]
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+
+    def rope(v):  # [T, heads, d]
+        v1, v2 = v[..., : d // 2], v[..., d // 2:]
+        return v * cos[:, None] + torch.cat([-v2, v1], -1) * sin[:, None]
+
+    for w in model.layers:
+        h = rms(x, w.input_layernorm)
+        qkv = h @ deq(w.qkv).T + t(w.qkv_bias).float()
+        q = rope(qkv[:, : nq * d].reshape(T, nq, d))
+        k = rope(qkv[:, nq * d: (nq + nkv) * d].reshape(T, nkv, d))
+        v = qkv[:, (nq + nkv) * d:].reshape(T, nkv, d)
+        k = k.repeat_interleave(nq // nkv, dim=1)
+        v = v.repeat_interleave(nq // nkv, dim=1)
+        a = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                           is_causal=True)[0].transpose(0, 1).reshape(T, nq * d)
+        x = x + a @ deq(w.o_proj).T
+        h = rms(x, w.post_attention_layernorm)
+        gu = h @ deq(w.gate_up).T
+        g, u = gu[:, : c.intermediate_size], gu[:, c.intermediate_size:]
+        x = x + (F.silu(g) * u) @ deq(w.down).T
+    h = rms(x[-last:], model.norm)
+    out = (h @ t(model.lm_head).float().T).cpu().numpy()
+    del x, h
+    torch.cuda.empty_cache()
+    return out
+
+
+def reference_check(model, prompt, tokens, n=8):
+    """The engine's first n tokens against the fp32 reference, teacher-forced on the engine's tokens."""
+    from ladder.tolerances import NEAR_TIE_EPS
+
+    ids = list(prompt) + list(tokens[: n - 1])
+    ref = torch_reference_logits(model, ids, n)
+    rows, ok = [], True
+    for j in range(n):
+        top = int(np.argmax(ref[j]))
+        margin = float(ref[j][top] - ref[j][tokens[j]])
+        status = "match" if top == tokens[j] else ("near-tie" if margin <= NEAR_TIE_EPS else "MISMATCH")
+        ok &= status != "MISMATCH"
+        sorted_ = np.sort(ref[j])
+        rows.append({"pos": j, "engine": int(tokens[j]), "reference": top, "margin": margin, "status": status,
+                     "ref_top2_gap": float(sorted_[-1] - sorted_[-2])})
+    return ok, rows
+
+
+# ---- the protocol ---------------------------------------------------------------------------------
+
+def run_protocol(model, prompt, new_tokens):
+    """TTFT (host, prefill + first token), graph decode step times (CUDA events), eager step times."""
+    import cupy as cp
+
+    be = model.backend
+    out = {}
+    ttft = []
+    for _ in range(5):
+        be.synchronize()
+        cp.cuda.Device().synchronize()
+        t0 = time.perf_counter()
+        seq, first = prefilled(model, prompt)
+        ttft.append((time.perf_counter() - t0) * 1e3)
+        seq.free()
+    out["ttft_ms"] = float(np.median(ttft[1:]))
+    out["ttft_all_ms"] = ttft
+
+    model.enable_cuda_graph(True)
+    steps = []
+    wall = []
+    for rep in range(3):
+        seq, first = prefilled(model, prompt)
+        ev = []
+        cp.cuda.Device().synchronize()
+        t0 = time.perf_counter()
+        toks = model._graph.generate(seq, first, new_tokens - 1, (), events=ev)
+        wall.append((time.perf_counter() - t0) * 1e3 / len(toks))
+        seq.free()
+        if rep > 0:
+            steps += [cp.cuda.get_elapsed_time(a, b) for a, b in zip(ev[:-1], ev[1:])]
+    steps = np.array(steps)
+    out["graph_ms_median"] = float(np.median(steps))
+    out["graph_ms_p90"] = float(np.percentile(steps, 90))
+    out["graph_wall_ms_per_token"] = float(np.median(wall[1:]))
+    out["captures"] = model._graph.captures
+
+    model.enable_cuda_graph(False)
+    seq, first = prefilled(model, prompt)
+    tok, eager = first, []
+    for _ in range(min(32, new_tokens - 1)):
+        t0 = time.perf_counter()
+        logits = model.decode_step(seq, tok)
+        eager.append((time.perf_counter() - t0) * 1e3)
+        tok = int(np.argmax(logits))
+    seq.free()
+    out["eager_ms_median"] = float(np.median(eager[2:]))
+    out["eager_ms_p90"] = float(np.percentile(eager[2:], 90))
+    model.enable_cuda_graph(True)
+    return out
+
+
+def greedy_tokens(model, prompt, n, graph: bool):
+    model.enable_cuda_graph(graph)
+    toks = model.generate(prompt, n)
+    model.enable_cuda_graph(False)
+    return toks
+
+
+def run_peers(args, results):
+    names = [p for p in args.peers.split(",") if p]
+    peers, skip = {}, set()
+    for name in names:
+        if name in skip:
+            peers[name] = {"error": "skipped: the hf peer failed", "wall_s": 0.0}
+            continue
+        out = Path(args.out) / f"peer-{name}.json"
+        cmd = [sys.executable, "-m", "bench.peers", name, "--shape", args.shape, "--prompt-len", str(args.prompt_len),
+               "--new-tokens", str(args.new_tokens), "--json", str(out)]
+        t0 = time.perf_counter()
+        try:
+            res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.peer_timeout)
+            if out.exists():
+                peers[name] = json.loads(out.read_text())
+            else:
+                tail = (res.stdout + res.stderr).strip().splitlines()[-3:]
+                peers[name] = {"error": f"exit {res.returncode}: " + " | ".join(tail)}
+        except subprocess.TimeoutExpired:
+            peers[name] = {"error": f"time-boxed: no result within {args.peer_timeout:.0f} s"}
+        peers[name]["wall_s"] = time.perf_counter() - t0
+        print(f"  peer {name}: {peers[name]}", flush=True)
+        if name == "hf" and "error" in peers[name]:  # hf-compile builds the same model: skip it too
+            skip.add("hf-compile")
+    results["peers"] = peers
+
+
+def chart(results, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib is not installed here: no chart)")
+        return None
+    labels, vals = ["nanoqwen graph", "nanoqwen eager"], [results["decode"]["graph_ms_median"], results["decode"]["eager_ms_median"]]
+    for name, p in results.get("peers", {}).items():
+        if "decode_ms_median" in p:
+            labels.append(p.get("label", name))
+            vals.append(p["decode_ms_median"])
+    fig, ax = plt.subplots(figsize=(8, 0.6 * len(labels) + 1.5))
+    ax.barh(labels[::-1], vals[::-1], color="#4477aa")
+    ax.axvline(results["floor_ms"], color="#cc3311", ls="--", label=f"floor {results['floor_ms']:.2f} ms")
+    ax.set_xlabel("decode ms / token (lower is better)")
+    ax.set_xscale("log")
+    ax.set_title(f"{results['shape']}, {results['prompt_len']}-token prompt, {results['device']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return str(path)
+
+
+def main(args) -> int:
+    import cupy as cp
+
+    from engine.config import SHAPES
+
+    if args.shape not in SHAPES:
+        print(f"nanoqwen bench: unknown shape {args.shape!r}; one of {sorted(SHAPES)}", file=sys.stderr)
+        return 2
+    cfg = SHAPES[args.shape]
+    outdir = Path(args.out)
+    outdir.mkdir(parents=True, exist_ok=True)
+    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+    results = {"out": str(outdir), "shape": args.shape, "device": props["name"].decode(), "sms": props["multiProcessorCount"],
+               "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "seed": args.seed}
+    print(f"nanoqwen bench: {args.shape} on {results['device']} ({results['sms']} SMs)", flush=True)
+
+    t0 = time.perf_counter()
+    results["copy_tbs"] = copy_rate()
+    print(f"  copy rate {results['copy_tbs']:.3f} TB/s ({time.perf_counter() - t0:.1f} s)", flush=True)
+
+    t0 = time.perf_counter()
+    model = build_model(cfg, args.seed, cache_tokens=args.prompt_len + args.new_tokens + 16)
+    print(f"  random INT4 model built on the GPU ({time.perf_counter() - t0:.1f} s)", flush=True)
+    rng = np.random.default_rng(args.seed)
+    prompt = rng.integers(0, cfg.vocab_size, args.prompt_len).astype(np.int32).tolist()
+
+    seq, first = prefilled(model, prompt)
+    if not args.no_sweep:
+        t0 = time.perf_counter()
+        results["gemv_sweep"] = sweep_gemv(model, seq, first)
+        for op, r in results["gemv_sweep"].items():
+            vs = ", ".join(f"{k} {v['ms'] * 1e3:.1f}us{'' if v['ok'] else ' WRONG'}" for k, v in r["variants"].items())
+            print(f"  sweep {op:16s} chosen t{r['chosen'][0]}_r{r['chosen'][1]}: {vs}", flush=True)
+        print(f"  sweep done ({time.perf_counter() - t0:.1f} s)", flush=True)
+    results["gemv_config"] = {k: list(v) for k, v in model.backend.gemv_config.items()}
+    seq.free()
+
+    # ---- correctness first: a fast wrong engine reports nothing
+    t0 = time.perf_counter()
+    eager = greedy_tokens(model, prompt, args.new_tokens, graph=False)
+    graph = greedy_tokens(model, prompt, args.new_tokens, graph=True)
+    checks = {"graph_equals_eager": eager == graph, "n_tokens": len(graph)}
+    if not checks["graph_equals_eager"]:
+        diff = next(i for i, (a, b) in enumerate(zip(eager, graph)) if a != b) if len(eager) == len(graph) else -1
+        checks["first_difference"] = diff
+    if not args.no_reference:
+        ok, rows = reference_check(model, prompt, graph)
+        checks["reference_ok"], checks["reference"] = ok, rows
+    results["checks"] = checks
+    print(f"  checks ({time.perf_counter() - t0:.1f} s): graph == eager: {checks['graph_equals_eager']}; "
+          f"fp32 reference: {checks.get('reference_ok', 'skipped')} "
+          f"{[r['status'] for r in checks.get('reference', [])]}", flush=True)
+    passed = checks["graph_equals_eager"] and checks.get("reference_ok", True)
+    if not passed:
+        (outdir / "bench.json").write_text(json.dumps(results, indent=1))
+        print("FAIL: the engine's tokens are wrong; no times are reported")
+        return 1
+
+    # ---- times
+    ctx = args.prompt_len + 1
+    results["bytes_per_step"] = step_bytes(model, ctx)
+    results["floor_ms"] = results["bytes_per_step"] / (results["copy_tbs"] * 1e12) * 1e3
+    results["decode"] = run_protocol(model, prompt, args.new_tokens)
+    seq, first = prefilled(model, prompt)
+    results["kernels"] = per_kernel_table(model, seq, first, results["copy_tbs"])
+    seq.free()
+    d = results["decode"]
+    d["tokens_per_s"] = 1e3 / d["graph_ms_median"]
+    d["achieved_tbs"] = results["bytes_per_step"] / (d["graph_ms_median"] * 1e-3) / 1e12
+    d["ratio_to_floor"] = d["graph_ms_median"] / results["floor_ms"]
+
+    del model
+    cp.get_default_memory_pool().free_all_blocks()
+    run_peers(args, results)
+
+    (outdir / "bench.json").write_text(json.dumps(results, indent=1))
+    png = chart(results, outdir / "bench.png")
+    print_table(results, png)
+    return 0
+
+
+def print_table(r, png):
+    d = r["decode"]
+    print(f"\n== nanoqwen bench {r['shape']} on {r['device']}: prompt {r['prompt_len']}, {r['new_tokens']} new tokens")
+    print(f"copy rate {r['copy_tbs']:.3f} TB/s; a step reads {r['bytes_per_step'] / 1e9:.3f} GB -> floor {r['floor_ms']:.3f} ms/token")
+    print(f"checks: graph tokens == eager ({r['checks']['n_tokens']}), first 8 vs fp32 PyTorch: "
+          f"{[x['status'] for x in r['checks'].get('reference', [])] or 'skipped'}")
+    print(f"\n{'engine':34s} {'TTFT ms':>8s} {'ms/tok':>8s} {'p90':>8s} {'tok/s':>7s} {'x floor':>8s}")
+    print(f"{'nanoqwen graph (fast loop)':34s} {d['ttft_ms']:8.2f} {d['graph_ms_median']:8.3f} {d['graph_ms_p90']:8.3f} "
+          f"{1e3 / d['graph_ms_median']:7.1f} {d['graph_ms_median'] / r['floor_ms']:8.2f}")
+    print(f"{'nanoqwen eager (logits to host)':34s} {d['ttft_ms']:8.2f} {d['eager_ms_median']:8.3f} {d['eager_ms_p90']:8.3f} "
+          f"{1e3 / d['eager_ms_median']:7.1f} {d['eager_ms_median'] / r['floor_ms']:8.2f}")
+    for name, p in r.get("peers", {}).items():
+        if "decode_ms_median" in p:
+            ttft = p.get("ttft_ms")
+            print(f"{p.get('label', name)[:34]:34s} {ttft if ttft is not None else float('nan'):8.2f} {p['decode_ms_median']:8.3f} "
+                  f"{p.get('decode_ms_p90', float('nan')):8.3f} {1e3 / p['decode_ms_median']:7.1f} {p['decode_ms_median'] / r['floor_ms']:8.2f}")
+        else:
+            print(f"{name:34s} -- {p.get('error', 'no result')[:80]}")
+    print(f"{'floor (bytes / copy rate)':34s} {'':8s} {r['floor_ms']:8.3f}")
+    print(f"graph: {d['achieved_tbs']:.3f} TB/s achieved, {d['graph_wall_ms_per_token']:.3f} ms/token host wall; "
+          f"graph vs eager {d['eager_ms_median'] / d['graph_ms_median']:.2f}x")
+    print(f"\n{'op (one decode step, ctx ' + str(r['prompt_len'] + 1) + ')':34s} {'calls':>5s} {'us/call':>8s} {'ms/step':>8s} "
+          f"{'MB/call':>8s} {'TB/s':>6s} {'%copy':>6s}")
+    tot = 0.0
+    for k in r["kernels"]:
+        tot += k["ms_per_step"]
+        print(f"{k['op']:34s} {k['calls']:5d} {k['ms_per_call'] * 1e3:8.1f} {k['ms_per_step']:8.3f} "
+              f"{k['bytes_per_call'] / 1e6:8.2f} {k['tbs']:6.2f} {k['pct_copy_rate']:6.1f}")
+    print(f"{'sum of ops (each alone, in graphs)':34s} {'':5s} {'':8s} {tot:8.3f}   vs graph step {d['graph_ms_median']:.3f} ms")
+    print(f"GEMV config: {r['gemv_config']}")
+    print(f"JSON: bench.json" + (f", chart: {Path(png).name}" if png else "") + f" in {r.get('out', '')}")
+
+
+def cli_main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="nanoqwen bench", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return main(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(cli_main())
