@@ -240,10 +240,12 @@ class _Summary:
         self.skips = defaultdict(Counter)  # rung -> reason -> n
         self.worst: dict[tuple, dict] = {}  # (rung, backend, op) -> worst record
         self.calls = defaultdict(Counter)  # (rung, backend) -> op -> n
+        self.graph: list[dict] = []  # graph rung: one ladder/tokens.py record per prompt and backend
+        self.flatness: list[dict] = []
         self.failures: list[str] = []
 
     def add(self, report, rung: str):
-        if report.when == "call" or (report.when == "setup" and not report.passed):
+        if report.when == "call" or (report.when != "call" and report.failed) or (report.when == "setup" and report.skipped):
             outcome = report.outcome
             self.counts[rung][outcome] += 1
             if report.skipped:
@@ -251,6 +253,8 @@ class _Summary:
                 self.skips[rung][reason.removeprefix("Skipped: ")] += 1
             if report.failed:
                 self.failures.append(report.nodeid)
+        if report.when != "teardown":  # every phase's report carries the item's properties: read them once
+            return
         for key, value in report.user_properties:
             if key == "nanoqwen_check":
                 k = (rung, value["backend"], value["op"])
@@ -258,6 +262,10 @@ class _Summary:
                     self.worst[k] = value
             elif key == "nanoqwen_calls":
                 self.calls[(rung, value["backend"])].update(value["calls"])
+            elif key == "nanoqwen_graph":
+                self.graph.append(value)
+            elif key == "nanoqwen_graph_flatness":
+                self.flatness.append(value)
 
     def as_json(self) -> dict:
         return {
@@ -271,8 +279,16 @@ class _Summary:
                       for op, n in sorted(c.items())],
             "ops_never_called": sorted({(b, op) for (_, b) in self.calls for op in OPS}
                                        - {(b, op) for (_, b), c in self.calls.items() for op in c}),
+            "graph": [vars(x) for x in self.graph_summaries()],
+            "graph_flatness": self.flatness,
+            "near_ties": [d for r in self.graph for d in r["near_ties"]],
             "failures": self.failures,
         }
+
+    def graph_summaries(self):
+        from ladder.tokens import summarize
+
+        return summarize(self.graph)
 
 
 _CONFIG: dict = {}  # the session's config, for hooks that are not handed it
@@ -311,6 +327,15 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             shown = "exact" if mult == 0 else f"{mult:.2f}x"
             flag = "" if rec["passed"] else "  FAILED"
             tr.line(f"{r:<8}{str(b):<11}{o:<22}{shown:>24}  {rec['case']}{flag}")
+    for g in s.graph_summaries():
+        tr.line("")
+        tr.line(g.describe())
+        for d in [d for r in s.graph if r["backend"] == g.backend for d in r["near_ties"]][:10]:
+            tr.line(f"  near-tie: prompt {d['prompt_id']!r} position {d['position']}: reference {d['ref_token']}, "
+                    f"engine {d['engine_token']}, margin {d['margin']:.4g}")
+    for f in s.flatness:
+        tr.line(f"reference: {f['flat']} of {f['positions']} positions ({100 * f['fraction']:.2f}%) under the "
+                f"near-tie epsilon; smallest top-1/top-2 margin {f['min_margin']:.4g}")
     out = config.getoption("--ladder-json")
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)

@@ -61,7 +61,7 @@ def _multiple(m: float) -> str:
 
 def markdown(report: dict) -> str:
     m = report["meta"]
-    lines = [f"# nanoqwen ladder report", "",
+    lines = ["# nanoqwen ladder report", "",
              f"- model: `{m.get('model')}`", f"- backends: {', '.join(m.get('backends', []))}",
              f"- started: {m.get('started')}", f"- result: **{m.get('result')}**", ""]
     if m.get("plant_fault"):

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from ladder.tolerances import MAX_NEAR_TIE_FRACTION, NEAR_TIE_EPS
+from ladder.tolerances import MAX_LOGIT_DIFF, MAX_NEAR_TIE_FRACTION, NEAR_TIE_EPS
 
 PAGE = 16  # tokens per KV page (engine/config.py PAGE_SIZE)
 
@@ -133,8 +133,13 @@ class TokenResult:
     eps: float = NEAR_TIE_EPS
 
     @property
+    def logits_drifted(self) -> bool:
+        """Engine logits further from the reference than the near-tie rule assumes (MAX_LOGIT_DIFF)."""
+        return self.max_logit_diff > MAX_LOGIT_DIFF
+
+    @property
     def passed(self) -> bool:
-        return not self.failures and not self.nan_positions
+        return not self.failures and not self.nan_positions and not self.logits_drifted
 
     def describe(self) -> str:
         head = (f"graph[{self.prompt_id}] on backend {self.backend!r}: prompt of {self.prompt_len} tokens, "
@@ -144,6 +149,9 @@ class TokenResult:
         lines = [head]
         if self.nan_positions:
             lines.append(f"  NaN or inf in the engine's logits at {self.nan_positions} positions")
+        if self.logits_drifted:
+            lines.append(f"  FAIL max abs logit difference {self.max_logit_diff:.4g} > MAX_LOGIT_DIFF {MAX_LOGIT_DIFF} "
+                         f"(half the near-tie epsilon: beyond it a flipped token could pass as a near-tie)")
         for d in self.failures[:5]:
             lines.append(f"  FAIL {d} >= near-tie epsilon {self.eps}")
         if len(self.failures) > 5:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 
 pytest.importorskip("torch", reason="the graph rung's reference (the HF simulation) needs torch: "
@@ -30,7 +31,7 @@ from fixtures.prompts import default_prompts_path, load_prompts, read_prompt_ids
 from ladder.compare import rerun_command
 from ladder.tokens import (compare_greedy, engine_logits, flatness, new_tokens_for,
                            reference_greedy)
-from ladder.weights import dequantized_weights
+from fixtures.dequantized import dequantized_weights
 from reference.hf import hf_model
 
 
@@ -113,7 +114,7 @@ def decode_modes(model):
 def test_greedy_tokens_match_the_hf_simulation(model, prompts, references, prompt_id, record_property):
     prompt = prompts[prompt_id]
     ref = references.get(prompt)
-    reports = []
+    reports, logits_by_mode = [], {}
     for mode in decode_modes(model):
         if mode == "graph":
             model.enable_cuda_graph(True)
@@ -122,6 +123,7 @@ def test_greedy_tokens_match_the_hf_simulation(model, prompts, references, promp
         finally:
             if mode == "graph":
                 model.enable_cuda_graph(False)
+        logits_by_mode[mode] = logits
         name = model.backend.name + ("" if mode == "eager" else "+graph")
         result = compare_greedy(prompt.id, ref, logits, backend=name)
         record_property("nanoqwen_graph", result.record())
@@ -129,6 +131,12 @@ def test_greedy_tokens_match_the_hf_simulation(model, prompts, references, promp
     bad = [r for r in reports if not r.passed]
     if bad:
         pytest.fail("\n".join(r.describe() for r in bad) + f"\nrerun: {rerun_command()}", pytrace=False)
+    if "graph" in logits_by_mode:  # the captured replay computes exactly what eager computes
+        eager, graph = logits_by_mode["eager"], logits_by_mode["graph"]
+        if not np.array_equal(eager, graph, equal_nan=True):
+            where = np.argwhere(eager != graph)[0].tolist()
+            pytest.fail(f"graph[{prompt.id}]: captured decode logits differ from eager at (step, token) {where}",
+                        pytrace=False)
 
 
 def test_model_is_not_too_flat(prompts, references, record_property):

@@ -15,7 +15,7 @@ from fixtures.prompts import (PromptFileError, default_prompts_path, load_prompt
                               seeded_prompts)
 from ladder.tokens import (PAGE, Reference, compare_greedy, engine_logits, flatness, new_tokens_for,
                            summarize, top2_margin)
-from ladder.tolerances import MAX_NEAR_TIE_FRACTION, NEAR_TIE_EPS
+from ladder.tolerances import MAX_LOGIT_DIFF, MAX_NEAR_TIE_FRACTION, NEAR_TIE_EPS
 
 V, N, PROMPT_LEN = 32, 12, 5
 
@@ -64,7 +64,7 @@ def test_a_real_mismatch_fails_with_prompt_position_tokens_and_margin():
 def near_tie_reference(step: int) -> Reference:
     ref = clear_reference(1)
     other = runner_up(ref, step)
-    ref.logits[step, other] = ref.logits[step, ref.tokens[step]] - NEAR_TIE_EPS / 2
+    ref.logits[step, other] = ref.logits[step, ref.tokens[step]] - NEAR_TIE_EPS / 8
     return ref
 
 
@@ -73,7 +73,7 @@ def test_a_near_tie_is_recorded_and_the_comparison_goes_on():
     ref = near_tie_reference(step)
     eng = ref.logits.copy()
     other = runner_up(ref, step)
-    eng[step, other] = eng[step].max() + NEAR_TIE_EPS / 8  # the engine picks the runner-up
+    eng[step, other] = eng[step].max() + NEAR_TIE_EPS / 16  # the engine picks the runner-up
     eng[step + 2, runner_up(ref, step + 2)] = eng[step + 2].max() + 1  # and later really diverges
     res = compare_greedy("p7", ref, eng, backend="numpy")
     (tie,) = res.near_ties
@@ -87,7 +87,7 @@ def test_only_a_near_tie_passes():
     step = 3
     ref = near_tie_reference(step)
     eng = ref.logits.copy()
-    eng[step, runner_up(ref, step)] = eng[step].max() + NEAR_TIE_EPS / 8
+    eng[step, runner_up(ref, step)] = eng[step].max() + NEAR_TIE_EPS / 16
     res = compare_greedy("p7", ref, eng)
     assert res.passed and len(res.near_ties) == 1 and res.exact == N - 1
 
@@ -223,3 +223,12 @@ def test_bad_prompt_files_are_refused_by_line(tmp_path, lines, message):
     f.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
     with pytest.raises(PromptFileError, match=message):
         load_prompts(f)
+
+
+def test_logits_drifting_past_half_the_epsilon_fail_even_with_equal_tokens():
+    ref = clear_reference(1)
+    eng = ref.logits.copy()
+    eng[2, runner_up(ref, 2)] += np.float32(2 * MAX_LOGIT_DIFF)  # same greedy token, a drifted logit
+    res = compare_greedy("p9", ref, eng)
+    assert res.exact == N and not res.failures and not res.passed
+    assert "MAX_LOGIT_DIFF" in res.describe()
