@@ -9,12 +9,12 @@ import pytest
 
 from fixtures import golden
 from fixtures.layer_cases import MODEL_CASES
-from fixtures.tiny_model import random_model_file
+from fixtures.default_model import default_model_file
 
 
 @pytest.fixture
 def golden_copy(tmp_path, monkeypatch):
-    path = random_model_file()
+    path = default_model_file()
     src = golden.golden_dir(path)
     if not (src / "manifest.json").exists():
         pytest.fail(f"the default model ships golden activations; missing in {src}: run {golden.UPDATE_COMMAND}")

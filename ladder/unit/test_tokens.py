@@ -11,8 +11,7 @@ import json
 import numpy as np
 import pytest
 
-from fixtures.prompts import (PromptFileError, default_prompts_path, load_prompts, read_prompt_ids,
-                              seeded_prompts)
+from fixtures.prompts import PromptFileError, default_prompts_path, load_prompts, read_prompt_ids
 from ladder.tokens import (PAGE, Reference, compare_greedy, engine_logits, flatness, new_tokens_for,
                            summarize, top2_margin)
 from ladder.tolerances import MAX_LOGIT_DIFF, MAX_NEAR_TIE_FRACTION, NEAR_TIE_EPS
@@ -174,32 +173,24 @@ def test_generation_crosses_the_next_page_boundary(L):
 # --- prompt files ---------------------------------------------------------------------------------
 
 
-def test_the_seeded_prompt_set_has_what_the_rung_needs():
+def test_the_default_prompt_set_has_what_the_rung_needs():
+    from fixtures.tiny_coder import config
+
     prompts = load_prompts(default_prompts_path())
     lengths = [len(p.ids) for p in prompts]
     assert len(prompts) == 100 and min(lengths) == 1 and max(lengths) >= 256
-    assert sum(L % PAGE in (PAGE - 1, 0, 1) for L in lengths) >= 20
-    assert all(0 <= t < 512 for p in prompts for t in p.ids)
+    assert sum(L % PAGE in (PAGE - 1, 0, 1) and L >= PAGE - 1 for L in lengths) >= 20
+    assert all(0 <= t < config().vocab_size for p in prompts for t in p.ids)
     assert read_prompt_ids(default_prompts_path()) == [p.id for p in prompts]
-
-
-def test_the_seeded_prompt_file_is_what_its_generator_writes():
-    from engine.modelfile import ModelFile
-    from fixtures.tiny_model import default_model_file
-
-    mf = ModelFile(default_model_file())
-    fresh = seeded_prompts(mf.file("tokenizer.json").decode(), mf.config_dict["vocab_size"])
-    assert fresh == load_prompts(default_prompts_path()), \
-        "fixtures/data/prompts-seeded.jsonl is stale: regenerate it with `python -m fixtures.prompts`"
 
 
 def test_text_prompts_are_tokenized_with_the_models_tokenizer(tmp_path):
     from tokenizers import Tokenizer
 
     from engine.modelfile import ModelFile
-    from fixtures.tiny_model import default_model_file
+    from fixtures.tiny_model import random_model_file
 
-    path = default_model_file()
+    path = random_model_file()
     tok = Tokenizer.from_str(ModelFile(path).file("tokenizer.json").decode())
     f = tmp_path / "p.jsonl"
     f.write_text(json.dumps({"id": 1, "text": "def f(x):\n"}) + "\n\n" + json.dumps({"id": "b", "ids": [4, 5]}) + "\n")
