@@ -309,11 +309,10 @@ def sweep_gemv(model, seq, token):
             got = be.to_numpy(out).astype(np.float64)
             err = float(np.abs(got - ref).max() / max(1.0, np.abs(ref).max()))
             ms = time_graph(lambda: [calls[op](i) for i in range(L)]) / L
-            timings[f"t{var[0]}_r{var[1]}"] = {"ms": ms, "max_rel_err_vs_default": err, "ok": err < 4e-3}
-        best = min((v for v in GEMV_VARIANTS if timings[f"t{v[0]}_r{v[1]}"]["ok"]),
-                   key=lambda v: timings[f"t{v[0]}_r{v[1]}"]["ms"], default=default)
+            timings[var] = {"ms": ms, "max_rel_err_vs_default": err, "ok": err < 4e-3}
+        best = min((v for v in GEMV_VARIANTS if timings[v]["ok"]), key=lambda v: timings[v]["ms"], default=default)
         be.gemv_config[op] = best
-        result[op] = {"default": list(default), "chosen": list(best), "variants": timings}
+        result[op] = {"default": default, "chosen": best, "variants": timings}
     ws.residual[...] = saved
     return result
 
@@ -542,9 +541,9 @@ def main(args) -> int:
         results["gemv_sweep"] = sweep_gemv(model, seq, first)
         for op, r in results["gemv_sweep"].items():
             vs = ", ".join(f"{k} {v['ms'] * 1e3:.1f}us{'' if v['ok'] else ' WRONG'}" for k, v in r["variants"].items())
-            print(f"  sweep {op:16s} chosen t{r['chosen'][0]}_r{r['chosen'][1]}: {vs}", flush=True)
+            print(f"  sweep {op:16s} chosen {r['chosen']}: {vs}", flush=True)
         print(f"  sweep done ({time.perf_counter() - t0:.1f} s)", flush=True)
-    results["gemv_config"] = {k: list(v) for k, v in model.backend.gemv_config.items()}
+    results["gemv_config"] = dict(model.backend.gemv_config)
     seq.free()
 
     # ---- correctness first: a fast wrong engine reports nothing

@@ -33,10 +33,12 @@ from kernels.cuda import loader
 
 PAGE = 16
 GROUP = 128
-# GEMV (threads per block, accumulator rows per block) per op; each pair must be one of int4_gemv.cu's
-# entry points int4_gemv_*_t{threads}_r{rows}. gate/up's rows count gate and up rows together.
-GEMV_VARIANTS = ((64, 4), (128, 4), (128, 8), (256, 8))
-GEMV_CONFIG = {"qkv_proj": (128, 4), "o_proj_residual": (128, 4), "gate_up_silu": (128, 8), "down_residual": (128, 4)}
+# GEMV variant per op, each one of int4_gemv.cu's entry points int4_gemv_*_{variant}: "t{threads}_r{rows}"
+# (CUDA cores: threads per block, accumulator rows per block, gate/up counting gate and up rows) or
+# "tc_w{warps}_u{groups}" (tensor cores: 16-row tiles, warps per block, groups per load batch).
+GEMV_VARIANTS = ("t64_r4", "t128_r4", "t128_r8", "t256_r8", "tc_w4_u4", "tc_w8_u4", "tc_w8_u2")
+# the fastest per op in the bench sweep on an H200 (bench/NOTES.md, v2); `nanoqwen bench` re-picks on its machine
+GEMV_CONFIG = {"qkv_proj": "tc_w8_u4", "o_proj_residual": "t128_r4", "gate_up_silu": "tc_w4_u4", "down_residual": "t128_r4"}
 MMA_BM, MMA_BN = 64, 128  # must match int4_gemv.cu
 LM_WARPS, LM_ROWS = 4, 4  # must match embed_lmhead_argmax.cu
 ATT_THREADS, ATT_MAX_ITEMS = 128, 16  # must match paged_attention.cu
@@ -137,13 +139,19 @@ class CudaBackend:
         qweight, scales = self._weight(w)
         if x.data.ptr % 16:
             raise ValueError("x: the GEMV kernels read activations in 16-byte loads; x is not 16-byte aligned")
-        threads, r = self.gemv_config[op]
-        if (threads, r) not in GEMV_VARIANTS:
-            raise ValueError(f"gemv_config[{op!r}] = {(threads, r)} is not one of {GEMV_VARIANTS}")
-        per_block = r // 2 if op == "gate_up_silu" else r
+        variant = self.gemv_config[op]
+        if variant not in GEMV_VARIANTS:
+            raise ValueError(f"gemv_config[{op!r}] = {variant!r} is not one of {GEMV_VARIANTS}")
+        silu = op == "gate_up_silu"
+        if variant.startswith("tc_"):
+            threads = 32 * int(variant.split("_")[1][1:])
+            per_block = 8 if silu else 16
+        else:
+            threads, r = (int(v[1:]) for v in variant.split("_"))
+            per_block = r // 2 if silu else r
         T = x.shape[0]
         grid = (-(-rows // per_block), T)
-        self._k[f"{kernel}_t{threads}_r{r}"](grid, (threads,), (x, qweight, scales, *args, _i32(rows), _i32(w.in_features)))
+        self._k[f"{kernel}_{variant}"](grid, (threads,), (x, qweight, scales, *args, _i32(rows), _i32(w.in_features)))
 
     def _matmul_f32(self, x, w):
         """fp32 [T, out] = x W^T on the tensor cores, exact products, fp32 sums (prefill path)."""
@@ -200,7 +208,7 @@ class CudaBackend:
             raise TypeError("x: expected fp32 rows with contiguous elements")
         _need(weight, np.float16, "weight"), _need(out, np.float16, "out")
         T, H = x.shape
-        self._k["rmsnorm_f32_f16"]((T,), (256,), (x, weight, out, _i32(H), np.int64(x.strides[0] // 4), np.float32(eps)))
+        self._k["rmsnorm_f32_f16"]((T,), (1024 if T == 1 else 256,), (x, weight, out, _i32(H), np.int64(x.strides[0] // 4), np.float32(eps)))
 
     def _rope_inv_freq(self, theta: float, d: int) -> cp.ndarray:
         key = (float(theta), d)
@@ -214,7 +222,8 @@ class CudaBackend:
         _need(k_pages, np.float16, "k_pages"), _need(v_pages, np.float16, "v_pages"), _need(q_out, np.float16, "q_out")
         T, nq, d = q_out.shape
         nkv = k_pages.shape[1]
-        self._k["rope_kv_write_f16"]((T,), (128,), (qkv, positions, self._rope_inv_freq(theta, d), k_pages, v_pages,
+        blocks = max(1, min(16, -(-((nq + nkv) * d // 2) // 128)))
+        self._k["rope_kv_write_f16"]((T, blocks), (128,), (qkv, positions, self._rope_inv_freq(theta, d), k_pages, v_pages,
                                                    page_table, q_out, _i32(nq), _i32(nkv), _i32(d)))
 
     def _attention(self, q, k_pages, v_pages, page_table, positions, out, split: bool):
@@ -275,4 +284,12 @@ class CudaBackend:
 
     def argmax(self, logits, out):
         _need(logits, np.float32, "logits"), _need(out, np.int32, "out")
-        self._k["argmax_f32_i32"]((1,), (1024,), (logits, out, _i32(logits.size)))
+        V = logits.size
+        if V <= 32768:
+            self._k["argmax_f32_i32"]((1,), (1024,), (logits, np.uint64(0), out, _i32(V)))  # null part_i
+            return
+        nb = min(132, -(-V // 1024))
+        pv = self.scratch("argmax_v", (nb,), np.float32)
+        pi = self.scratch("argmax_i", (nb,), np.int32)
+        self._k["argmax_partial_f32"]((nb,), (1024,), (logits, pv, pi, _i32(V)))
+        self._k["argmax_f32_i32"]((1,), (1024,), (pv, pi, out, _i32(nb)))

@@ -64,17 +64,10 @@ __device__ __forceinline__ bool argmax_better(float v, int i, float bv, int bi) 
 
 #define ARGMAX_THREADS 1024
 
-// out[0] = the lowest index of the maximum of logits[0 .. V). One block: strided scan per thread,
-// then a shuffle tree within warps and one more across the 32 warp winners.
-extern "C" __global__ void argmax_f32_i32(const float* __restrict__ logits, int* __restrict__ out, int V) {
+// The winner of one block's candidates (value, index) -> lane 0 of warp 0. Every thread must call it.
+__device__ __forceinline__ void block_argmax(float& bv, int& bi) {
     __shared__ float sv[WARP];
     __shared__ int si[WARP];
-    float bv = neg_inf();
-    int bi = 0x7fffffff;
-    for (int i = threadIdx.x; i < V; i += blockDim.x) {
-        const float v = logits[i];
-        if (argmax_better(v, i, bv, bi)) { bv = v; bi = i; }
-    }
 #pragma unroll
     for (int o = WARP / 2; o > 0; o >>= 1) {
         const float ov = __shfl_xor_sync(FULL_MASK, bv, o);
@@ -94,8 +87,36 @@ extern "C" __global__ void argmax_f32_i32(const float* __restrict__ logits, int*
             const int oi = __shfl_xor_sync(FULL_MASK, bi, o);
             if (argmax_better(ov, oi, bv, bi)) { bv = ov; bi = oi; }
         }
-        if (lane == 0) out[0] = bi;
     }
+}
+
+// out[0] = the lowest index of the maximum of logits[0 .. V), in two launches: argmax_partial_f32
+// (many blocks, each the winner of a strided slice, as (value, index) pairs) then argmax_f32_i32 over
+// those pairs (one block). The total order of argmax_better makes the result independent of the split.
+extern "C" __global__ void argmax_partial_f32(const float* __restrict__ logits, float* __restrict__ part_v,
+                                              int* __restrict__ part_i, int V) {
+    float bv = neg_inf();
+    int bi = 0x7fffffff;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < V; i += gridDim.x * blockDim.x) {
+        const float v = logits[i];
+        if (argmax_better(v, i, bv, bi)) { bv = v; bi = i; }
+    }
+    block_argmax(bv, bi);
+    if (threadIdx.x == 0) { part_v[blockIdx.x] = bv; part_i[blockIdx.x] = bi; }
+}
+
+// One block over n (value, index) candidates (part_i == nullptr: the candidates are logits[0 .. n)).
+extern "C" __global__ void argmax_f32_i32(const float* __restrict__ part_v, const int* __restrict__ part_i,
+                                          int* __restrict__ out, int n) {
+    float bv = neg_inf();
+    int bi = 0x7fffffff;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const float v = part_v[i];
+        const int idx = part_i ? part_i[i] : i;
+        if (argmax_better(v, idx, bv, bi)) { bv = v; bi = idx; }
+    }
+    block_argmax(bv, bi);
+    if (threadIdx.x == 0) out[0] = bi;
 }
 
 // The fast decode loop's step between two graph replays (engine/cuda_graph.py): the token just picked

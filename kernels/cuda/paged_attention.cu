@@ -150,25 +150,28 @@ paged_attention_f16(const f16_bits* __restrict__ q, const f16_bits* __restrict__
 }
 
 // Merge the splits of one (token, head): out = sum_z acc_z e^(m_z - M) / sum_z l_z e^(m_z - M), z in
-// order. A split with l = 0 held no keys and is skipped (its m is -inf). Grid (nq, T), d threads
-// (or fewer, striding).
+// order. A split with l = 0 held no keys and gets weight 0 (its m is -inf, its acc 0). Grid (nq, T), d
+// threads (or fewer, striding). The loops load without branching and are unrolled, so the loads of
+// several splits are in flight at once (the loop is latency-bound otherwise: one L2 trip per split).
 extern "C" __global__ void attention_combine_f16(const float* __restrict__ part_m, const float* __restrict__ part_l,
                                                  const float* __restrict__ part_acc, f16_bits* __restrict__ out,
                                                  int nq, int d, int splits) {
     const int h = blockIdx.x, t = blockIdx.y;
     const size_t p0 = ((size_t)t * nq + h) * splits;
     float M = neg_inf();
-    for (int z = 0; z < splits; ++z)
-        if (part_l[p0 + z] > 0.0f) M = fmaxf(M, part_m[p0 + z]);
+#pragma unroll 8
+    for (int z = 0; z < splits; ++z) {
+        const float l = part_l[p0 + z], m = part_m[p0 + z];
+        M = l > 0.0f ? fmaxf(M, m) : M;
+    }
     for (int c = threadIdx.x; c < d; c += blockDim.x) {
         float L = 0.0f, A = 0.0f;
+#pragma unroll 8
         for (int z = 0; z < splits; ++z) {
-            const float l = part_l[p0 + z];
-            if (l > 0.0f) {
-                const float w = expf(part_m[p0 + z] - M);
-                L = fmaf(l, w, L);
-                A = fmaf(part_acc[(p0 + z) * d + c], w, A);
-            }
+            const float l = part_l[p0 + z], m = part_m[p0 + z], a = part_acc[(p0 + z) * d + c];
+            const float w = l > 0.0f ? expf(m - M) : 0.0f;
+            L = fmaf(l, w, L);
+            A = fmaf(a, w, A);
         }
         out[((size_t)t * nq + h) * d + c] = f2h(A / L);
     }

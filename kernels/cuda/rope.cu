@@ -12,6 +12,7 @@
 
 #define PAGE 16
 
+// Grid (T, any number of blocks), any block size.
 extern "C" __global__ void rope_kv_write_f16(const f16_bits* __restrict__ qkv, const int* __restrict__ positions,
                                              const float* __restrict__ inv_freq, f16_bits* __restrict__ k_pages,
                                              f16_bits* __restrict__ v_pages, const int* __restrict__ page_table,
@@ -23,8 +24,10 @@ extern "C" __global__ void rope_kv_write_f16(const f16_bits* __restrict__ qkv, c
     const f16_bits* row = qkv + (size_t)t * (nq + 2 * nkv) * d;
     const float fpos = (float)pos;
 
+    // Grid (T, blocks): the block's threads stride over the token's work together.
+    const int first = blockIdx.y * blockDim.x + threadIdx.x, stride = gridDim.y * blockDim.x;
     // Rotation pairs (i, i + d/2) of every q head, then every k head.
-    for (int idx = threadIdx.x; idx < (nq + nkv) * half; idx += blockDim.x) {
+    for (int idx = first; idx < (nq + nkv) * half; idx += stride) {
         const int h = idx / half, i = idx % half;
         const float ang = fpos * inv_freq[i];
         const float c = cosf(ang), s = sinf(ang);
@@ -41,7 +44,7 @@ extern "C" __global__ void rope_kv_write_f16(const f16_bits* __restrict__ qkv, c
         }
     }
     // V is written as is.
-    for (int idx = threadIdx.x; idx < nkv * d; idx += blockDim.x) {
+    for (int idx = first; idx < nkv * d; idx += stride) {
         const int h = idx / d, i = idx % d;
         v_pages[((page * nkv + h) * PAGE + slot) * d + i] = row[(nq + nkv) * d + idx];
     }
