@@ -179,7 +179,6 @@ def load(path, backend="numpy", verify_checksums: bool = True, cache_tokens: int
     from engine.modelfile import ModelFile
 
     mf = ModelFile(path, verify_checksums=verify_checksums)
-
     try:
         config = Qwen2Config.from_hf_dict(mf.config_dict)
         get_format(mf.quant)

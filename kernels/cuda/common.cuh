@@ -71,22 +71,6 @@ __device__ __forceinline__ void unpack_int4_pairs(u32 word, u32 (&q)[4]) {
     }
 }
 
-// fp32 dot product of one qweight word's 8 values (nibble - 8, unscaled) with 8 fp16 activations
-// held as 4 words (pair k of x is word k). Products and sums in fp32 (the precision contract).
-__device__ __forceinline__ float dot_int4_word(u32 word, const u32 (&x)[4], float acc) {
-    u32 q[4];
-    unpack_int4_pairs(word, q);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        float q0, q1, x0, x1;
-        h2x2f(q[k], q0, q1);
-        h2x2f(x[k], x0, x1);
-        acc = fmaf(q0, x0, acc);
-        acc = fmaf(q1, x1, acc);
-    }
-    return acc;
-}
-
 // fp32 dot product of 8 fp16 weights (4 words) with 8 fp16 activations (4 words).
 __device__ __forceinline__ float dot_f16x8(const u32 (&w)[4], const u32 (&x)[4], float acc) {
 #pragma unroll
@@ -98,6 +82,14 @@ __device__ __forceinline__ float dot_f16x8(const u32 (&w)[4], const u32 (&x)[4],
         acc = fmaf(w1, x1, acc);
     }
     return acc;
+}
+
+// fp32 dot product of one qweight word's 8 values (nibble - 8, unscaled) with 8 fp16 activations
+// held as 4 words (pair k of x is word k). Products and sums in fp32 (the precision contract).
+__device__ __forceinline__ float dot_int4_word(u32 word, const u32 (&x)[4], float acc) {
+    u32 q[4];
+    unpack_int4_pairs(word, q);  // the 8 values n - 8 as four half2 words, pair k in word k
+    return dot_f16x8(q, x, acc);
 }
 
 __device__ __forceinline__ void uint4_words(const uint4& v, u32 (&w)[4]) {
