@@ -3,9 +3,10 @@
 Loaded by the repository's root conftest.py, or with `-p ladder.plugin` from an installed package.
 
 - Tests under `ladder/unit`, `ladder/layer`, `ladder/graph` carry the marker of their rung.
-- `--backend numpy|cuda|all` picks the engines under test (default: numpy, plus cuda where a GPU and
-  CuPy are present); a test takes the `backend` fixture and runs once per backend. A backend that cannot
-  run here is a skip with its reason, unless `--require-backend NAME` (or NANOQWEN_REQUIRE_GPU=1 for
+- `--backend numpy|cuda|all` picks the engines under test (default: both, so the cuda cases run where
+  a GPU and CuPy are present and show as skipped, with the reason, elsewhere); a test takes the
+  `backend` fixture and runs once per backend. A backend that cannot run here is a skip with its reason,
+  unless `--require-backend NAME` (or NANOQWEN_REQUIRE_GPU=1 for
   cuda) turns that skip into a failure. Tests on `cuda` also carry the `gpu` marker.
 - `--quant FORMAT|all` picks the quantization formats the `quant_format` fixture runs over.
 - `--plant-fault NAME[@LAYER]` wraps one op of every Backend object with a fault from ladder/faults.py.
@@ -42,7 +43,7 @@ _LADDER_DIR = Path(__file__).resolve().parent
 def pytest_addoption(parser):
     g = parser.getgroup("nanoqwen", "nanoqwen ladder")
     g.addoption("--backend", default=None, choices=[*BACKENDS, "all"],
-                help="engine backend under test (default: numpy, plus cuda when a GPU is present)")
+                help="engine backend under test (default: both; cuda skips with its reason where there is no GPU)")
     g.addoption("--require-backend", action="append", default=[], choices=list(BACKENDS),
                 help="fail, instead of skipping, when this backend cannot run here (repeatable)")
     g.addoption("--quant", default="all", help="quantization format under test, or 'all' (default)")
@@ -69,7 +70,8 @@ def selected_backends(config) -> list[str]:
         return list(BACKENDS)
     if choice:
         return [choice]
-    return ["numpy", "cuda"] if cuda_available()[0] else ["numpy"]
+    # Both: the cuda cases run where CuPy and a GPU are present and skip, with the reason, elsewhere.
+    return list(BACKENDS)
 
 
 def required_backends(config) -> set[str]:
