@@ -1,6 +1,6 @@
 """Run one engine decoder block the way the model does: a prefill of L tokens, then decode steps.
 
-Used by the layer rung. K/V go through a paged cache with a shuffled page table and NaN in every free
+Used by the layer rung and by `nanoqwen descend`. K/V go through a paged cache with a shuffled page table and NaN in every free
 page and unwritten slot, so a read past the valid length shows.
 """
 
@@ -16,14 +16,15 @@ from fixtures.layer_cases import LayerCase
 
 
 def run_engine_block(backend, config: Qwen2Config, quant: str, get, case: LayerCase, shuffle_seed: int = 0,
-                     captured: bool = False):
+                     captured: bool = False, x: np.ndarray | None = None):
     """(output [T, H] fp32, k [T, nkv, d] fp16, v [T, nkv, d] fp16) from the engine's block.
 
-    With `captured` (cuda backend), the decode steps replay one captured CUDA graph of the block: the
-    step's input row and position go into fixed device buffers before each replay.
+    The block's input is `x` [T, H] (default: the case's seeded inputs). With `captured` (cuda backend),
+    the decode steps replay one captured CUDA graph of the block: the step's input row and position go
+    into fixed device buffers before each replay.
     """
     w = load_layer_weights(backend, config, quant, get, case.layer)
-    x = case.inputs(config.hidden_size)
+    x = case.inputs(config.hidden_size) if x is None else np.asarray(x, dtype=np.float32)
     layer_config = config.replace(num_hidden_layers=1)
     cache = PagedKVCache(layer_config, backend, num_pages=-(-case.total // 16) + 5, debug_nan=True,
                          shuffle_seed=shuffle_seed)

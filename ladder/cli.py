@@ -5,6 +5,8 @@
     nanoqwen generate [--model FILE] (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens N]
     nanoqwen convert HF_DIR OUT.nanoqwen [--quant int4_sym_g128]
     nanoqwen inspect FILE
+    nanoqwen bisect --good REV [--bad REV] [--backend B] [--repo PATH] [-- PYTEST ARGS, default -m unit]
+    nanoqwen descend [--model FILE|HF_DIR] [--prompt TEXT | --prompt-ids 1,2,3] [--plant-fault NAME[@LAYER]]
 
 Errors about the user's input (a malformed model file, a token id out of range, a prompt longer than
 the cache, a backend this machine cannot run) are one line on stderr and exit status 2, never a
@@ -243,6 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     from ladder.bench import register as register_bench
     register_bench(sub)
+    from ladder.bisect import register as register_bisect
+    register_bisect(sub)
+    from ladder.descend import register as register_descend
+    register_descend(sub)
     return p
 
 

@@ -109,3 +109,24 @@ def hf_block_outputs(config: dict, weights: dict, layer: int, x: np.ndarray):
         for h in hooks:
             h.remove()
     return (out[0].double().numpy(), k[0].transpose(0, 1).double().numpy(), v[0].double().numpy())
+
+
+def hf_layer_states(model, ids) -> list[tuple[np.ndarray, np.ndarray]]:
+    """For a full forward pass of `model` (from `hf_model`) over `ids`: each decoder layer's
+    (input, output) hidden states, float64 [T, H], caught by hooks on the layers themselves."""
+    torch = _torch()
+    states: list[list] = [[None, None] for _ in model.model.layers]
+    hooks = []
+    for i, layer in enumerate(model.model.layers):
+        hooks.append(layer.register_forward_pre_hook(
+            lambda mod, args, kwargs, i=i: states[i].__setitem__(0, (args[0] if args else kwargs["hidden_states"]).detach()),
+            with_kwargs=True))
+        hooks.append(layer.register_forward_hook(
+            lambda mod, args, out, i=i: states[i].__setitem__(1, (out[0] if isinstance(out, tuple) else out).detach())))
+    try:
+        with torch.no_grad():
+            model(torch.tensor([list(ids)], dtype=torch.long), use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return [(a[0].double().numpy(), b[0].double().numpy()) for a, b in states]

@@ -1,0 +1,297 @@
+"""`nanoqwen descend`: walk down the ladder to the first diverging layer, then to the diverging op.
+
+1. The HF simulation runs the prompt once; hooks catch every decoder layer's input and output.
+2. Layer by layer, the engine's block runs on the *simulation's* input to that layer (a prefill, then
+   the last tokens as decode steps across a page edge), so an error cannot be inherited from the layer
+   before. Its output is compared with the simulation's, against the floor of the plain
+   implementation (`reference.model.ref_block`, fp32 with fp16 storage) on the same input:
+   TOL[("layer", "float32")] decides. The first layer over its bound is where the engine diverges.
+3. In every layer, every op call is recorded (inputs before, outputs after) and checked on its own
+   real activations against its `ref_*` in float64, with the unit rung's tolerance. The first layer
+   whose output or one of whose ops is over its bound is reported, with its ops: the first op over
+   its bound is the kernel to look at (an op can be wrong by less than a layer's fp16 noise, as fp16
+   accumulation is, and still be found here).
+
+Prints a table per layer and per op, writes descend.json and, where matplotlib exists, descend.png
+(error per layer as a multiple of its floor). Exit status 0 when nothing diverges, 1 when something
+does. `--plant-fault` shows it at work on a known bug.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from engine.config import Qwen2Config
+from engine.modelfile import ModelFile
+from fixtures.dequantized import dequantized_weights
+from fixtures.layer_cases import LayerCase
+from ladder.blockrun import run_engine_block
+from ladder.compare import error_stats
+from ladder.tolerances import TOL
+from reference import ops as R
+from reference.model import ref_block
+
+F16, F32 = np.float16, np.float32
+PAGE = 16
+
+
+@dataclass
+class Check:
+    """One comparison: where, the error, its floor and the bound TOL gives."""
+
+    name: str
+    max_abs: float
+    floor: float
+    bound: float
+    where: tuple = ()
+    call: int | None = None  # for an op: its index among the layer's recorded calls
+
+    @property
+    def multiple(self) -> float:
+        return self.max_abs / self.floor if self.floor > 0 else (0.0 if self.max_abs == 0 else float("inf"))
+
+    @property
+    def diverged(self) -> bool:
+        return not self.max_abs <= self.bound  # NaN diverges
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "max_abs": self.max_abs, "floor": self.floor, "bound": self.bound,
+                "multiple": self.multiple, "diverged": self.diverged, "where": list(self.where), "call": self.call}
+
+
+def check(name: str, out, ref, plain, tol_key: tuple[str, str], call: int | None = None) -> Check:
+    out, ref = np.asarray(out, dtype=np.float64), np.asarray(ref, dtype=np.float64)
+    stats = error_stats(out, ref)
+    if np.isnan(out).any():
+        stats["max_abs"] = float("nan")
+    floor = error_stats(np.asarray(plain), ref)["max_abs"]
+    bound = TOL[tol_key].bound(floor, float(np.abs(ref).max()) if ref.size else 0.0, np.dtype(tol_key[1]))
+    return Check(name, stats["max_abs"], floor, bound, stats["where"], call)
+
+
+# --- op-level checks on recorded calls ----------------------------------------------------------
+
+
+class Recorder:
+    """Wraps the ops of one Backend object: while `on`, every call's inputs (before) and outputs
+    (after) are copied to the host."""
+
+    OPS = ("rmsnorm", "qkv_proj", "rope_kv_write", "attention_prefill", "attention_decode",
+           "o_proj_residual", "gate_up_silu", "down_residual")
+
+    def __init__(self, backend):
+        self.backend, self.on, self.calls = backend, False, []
+        for op in self.OPS:
+            setattr(backend, op, self._wrap(op, getattr(backend, op)))
+
+    def _host(self, a):
+        if isinstance(a, (int, float, str)) or a is None or hasattr(a, "tensors"):
+            return a
+        return np.array(self.backend.to_numpy(a), copy=True)
+
+    def _wrap(self, op, inner):
+        def recorded(*args):
+            if not self.on:
+                return inner(*args)
+            before = [self._host(a) for a in args]
+            result = inner(*args)
+            self.backend.synchronize()
+            self.calls.append((op, before, [self._host(a) for a in args]))
+            return result
+        return recorded
+
+
+def op_checks(calls, config: Qwen2Config, w: dict, layer: int) -> list[Check]:
+    """Each recorded op call against its reference on the same inputs, in call order."""
+    p = f"model.layers.{layer}."
+    W = {k[len(p):]: v for k, v in w.items() if k.startswith(p)}
+    qkv_w = np.concatenate([W[f"self_attn.{x}_proj.weight"] for x in "qkv"])
+    qkv_b = np.concatenate([W[f"self_attn.{x}_proj.bias"] for x in "qkv"])
+    gate, up = W["mlp.gate_proj.weight"], W["mlp.up_proj.weight"]
+    nq, nkv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    out: list[Check] = []
+    norms = 0
+    for i, (op, before, after) in enumerate(calls):
+        label = op
+        if op == "rmsnorm":
+            x, weight, eps = before[0], before[1], before[2]
+            name = "input_layernorm" if norms % 2 == 0 else "post_attention_layernorm"
+            norms += 1
+            out.append(check(f"{label} ({name})", after[3], R.ref_rmsnorm(x, weight, eps),
+                             R.ref_rmsnorm(x, weight, eps, dtype=F32).astype(F16), ("rmsnorm", "float16"), i))
+        elif op == "qkv_proj":
+            x = before[0]
+            out.append(check(label, after[3], R.ref_linear(x, qkv_w, qkv_b),
+                             R.ref_linear(x, qkv_w, qkv_b, dtype=F32).astype(F16), ("qkv_proj", "float16"), i))
+        elif op == "rope_kv_write":
+            qkv, pos, table, theta = before[0], before[1], before[4], before[5]
+            T = qkv.shape[0]
+            q_in = qkv[:, : nq * d].reshape(T, nq, d)
+            k_in = qkv[:, nq * d: (nq + nkv) * d].reshape(T, nkv, d)
+            out.append(check(f"{label} (q)", after[6], R.ref_rope(q_in, pos, theta),
+                             R.ref_rope(q_in, pos, theta, dtype=F32).astype(F16), ("rope_kv_write", "float16"), i))
+            k_pages = after[2]
+            k_written = np.stack([k_pages[table[t // PAGE], :, t % PAGE] for t in pos])
+            out.append(check(f"{label} (k)", k_written, R.ref_rope(k_in, pos, theta),
+                             R.ref_rope(k_in, pos, theta, dtype=F32).astype(F16), ("rope_kv_write", "float16"), i))
+        elif op in ("attention_prefill", "attention_decode"):
+            q, kp, vp, table, pos = before[:5]
+            out.append(check(label, after[5], R.ref_paged_attention(q, kp, vp, table, pos),
+                             R.ref_paged_attention(q, kp, vp, table, pos, dtype=F32).astype(F16), ("attention", "float16"), i))
+        elif op in ("o_proj_residual", "down_residual"):
+            x, resid = before[0], before[2]
+            wt = W["self_attn.o_proj.weight"] if op == "o_proj_residual" else W["mlp.down_proj.weight"]
+            out.append(check(label, after[2], resid + R.ref_linear(x, wt), resid + R.ref_linear(x, wt, dtype=F32),
+                             (op, "float32"), i))
+        elif op == "gate_up_silu":
+            x = before[0]
+            out.append(check(label, after[2], R.ref_gate_up_silu(x, gate, up),
+                             R.ref_gate_up_silu(x, gate, up, dtype=F32).astype(F16), ("gate_up_silu", "float16"), i))
+    return out
+
+
+# --- the walk -----------------------------------------------------------------------------------
+
+
+def descend(model_path, ids, backend_name: str = "numpy", decode_steps: int | None = None,
+            plant_fault: str | None = None, progress=print) -> dict:
+    from kernels import get_backend
+    from reference.hf import hf_layer_states, hf_model
+
+    mf = ModelFile(model_path)
+    config = Qwen2Config.from_hf_dict(mf.config_dict)
+    hf_cfg, weights = dequantized_weights(model_path)
+    ids = [int(t) for t in ids]
+    T = len(ids)
+    steps = min(PAGE + 1, T - 1) if decode_steps is None else min(decode_steps, T - 1)
+    backend = get_backend(backend_name)
+    if plant_fault:
+        from ladder.faults import plant
+
+        plant(backend, plant_fault)
+    recorder = Recorder(backend)
+
+    progress(f"descend: {Path(model_path).name}, prompt of {T} tokens (prefill {T - steps}, then {steps} decode "
+             f"steps), backend {backend_name}" + (f", planted fault {plant_fault}" if plant_fault else ""))
+    states = hf_layer_states(hf_model(hf_cfg, weights), ids)
+    layers, ops_by_layer, first = [], [], None
+    for layer, (x_in, ref_out) in enumerate(states):
+        case = LayerCase(layer, T - steps, steps, seed=0)
+        recorder.calls, recorder.on = [], True
+        try:
+            out, _, _ = run_engine_block(backend, config, mf.quant, mf.expect, case, shuffle_seed=layer, x=x_in)
+        finally:
+            recorder.on = False
+        plain, _, _ = ref_block(hf_cfg, weights, layer, x_in, np.arange(T), dtype=F32, storage=F16)
+        c = check(f"layer {layer}", out, ref_out, plain, ("layer", "float32"))
+        ops = op_checks(recorder.calls, config, weights, layer)
+        bad_ops = sorted({o.name for o in ops if o.diverged})
+        layers.append(c)
+        ops_by_layer.append(ops)
+        progress(f"  layer {layer:>3}: max abs error {c.max_abs:.3g}, floor {c.floor:.3g}, {c.multiple:.3g}x"
+                 + ("  <- diverges" if c.diverged else "")
+                 + (f"  (ops over their own bound: {', '.join(bad_ops)})" if bad_ops else ""))
+        if first is None and (c.diverged or bad_ops):
+            first = layer
+    ops = ops_by_layer[first] if first is not None else []
+    first_op = next((c for c in ops if c.diverged), None)  # in call order: the earliest wrong op
+    return {"model": str(model_path), "backend": backend_name, "prompt_len": T, "decode_steps": steps,
+            "plant_fault": plant_fault, "layers": [c.as_dict() for c in layers], "first_layer": first,
+            "layer_diverged": bool(first is not None and layers[first].diverged),
+            "ops": [c.as_dict() for c in ops], "first_op": first_op.name if first_op else None}
+
+
+def print_report(result: dict) -> None:
+    if result["first_layer"] is None:
+        print("verdict: every layer and every op within its bound; the engine follows the HF simulation")
+        return
+    print(f"\nops of layer {result['first_layer']} (each call on its own recorded inputs):")
+    worst: dict[str, dict] = {}
+    first_bad: dict[str, int] = {}
+    for c in result["ops"]:
+        if c["name"] not in worst or c["multiple"] > worst[c["name"]]["multiple"]:
+            worst[c["name"]] = c
+        if c["diverged"]:
+            first_bad.setdefault(c["name"], c["call"])
+    for name, c in worst.items():
+        flag = f"  <- diverges (first at call {first_bad[name]})" if name in first_bad else ""
+        print(f"  {name:<36} worst {c['multiple']:.3g}x its floor{flag}")
+    how = "" if result["layer_diverged"] else " (the layer's output stays within its bound; an op does not)"
+    print(f"verdict: first diverging layer {result['first_layer']}{how}, first diverging op "
+          f"{result['first_op'] or '(none alone: the layer diverges only as a whole)'}")
+
+
+def plot(result: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    mult = [min(c["multiple"], 1e6) for c in result["layers"]]
+    bounds = [c["bound"] / c["floor"] if c["floor"] else float("nan") for c in result["layers"]]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.semilogy(range(len(mult)), mult, "o-", label="engine error / noise floor")
+    ax.semilogy(range(len(bounds)), bounds, "--", label="bound / noise floor")
+    if result["first_layer"] is not None:
+        ax.axvline(result["first_layer"], color="red", alpha=0.3, label=f"first diverging layer {result['first_layer']}")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("multiple of the floor")
+    ax.set_title(f"descend: {Path(result['model']).name} on {result['backend']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def cmd_descend(args) -> int:
+    from ladder.models import resolve_model
+
+    path = resolve_model(args.model)
+    if args.prompt_ids:
+        try:
+            ids = [int(s) for s in args.prompt_ids.split(",") if s.strip()]
+        except ValueError:
+            raise SystemExit(f"nanoqwen: error: --prompt-ids must be comma-separated integers, got {args.prompt_ids!r}")
+    else:
+        from tokenizers import Tokenizer
+
+        blob = ModelFile(path).file("tokenizer.json")
+        if blob is None:
+            raise SystemExit(f"nanoqwen: error: {path} carries no tokenizer.json; use --prompt-ids")
+        ids = Tokenizer.from_str(blob.decode()).encode(args.prompt).ids
+    if len(ids) < 2:
+        raise SystemExit("nanoqwen: error: descend needs a prompt of at least 2 tokens (a prefill and a decode step)")
+    result = descend(path, ids, args.backend, args.decode_steps, args.plant_fault)
+    print_report(result)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "descend.json").write_text(json.dumps(result, indent=1, default=str))
+    drawn = plot(result, out / "descend.png")
+    print(f"wrote {out / 'descend.json'}" + (f" and {out / 'descend.png'}" if drawn else " (no matplotlib: no chart)"))
+    return 1 if result["first_layer"] is not None else 0
+
+
+DEFAULT_PROMPT = ("def fibonacci(n):\n    if n < 2:\n        return n\n    a, b = 0, 1\n    for _ in range(n):\n"
+                  "        a, b = b, a + b\n    return a\n")
+
+
+def register(subparsers) -> None:
+    d = subparsers.add_parser("descend", help="walk down to the first layer, then the first op, where the engine "
+                                              "leaves the HF simulation")
+    d.add_argument("--model", help=".nanoqwen file or Hugging Face folder (default: the embedded default model)")
+    src = d.add_mutually_exclusive_group()
+    src.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text (default: a short Python function)")
+    src.add_argument("--prompt-ids", help="comma-separated token ids")
+    d.add_argument("--backend", default="numpy", choices=["numpy", "cuda"])
+    d.add_argument("--decode-steps", type=int, help="how many of the last prompt tokens run as decode steps "
+                                                     "(default 17: across a page edge)")
+    d.add_argument("--plant-fault", help="plant a fault from ladder/faults.py first (to see the descent find it)")
+    d.add_argument("--out", default="reports/descend", help="folder for descend.json and descend.png")
+    d.set_defaults(func=cmd_descend)
