@@ -46,6 +46,20 @@ def error_stats(out: np.ndarray, ref: np.ndarray) -> dict:
     }
 
 
+def measure(out, ref, plain, key: tuple[str, str]) -> dict:
+    """The error of `out` against `ref`, the noise floor (`plain`'s error), TOL[key]'s bound, and the
+    verdict. NaN in `out` makes the error NaN, which no bound passes."""
+    out, ref = np.asarray(out), np.asarray(ref, dtype=np.float64)
+    stats = error_stats(out, ref)
+    if np.isnan(out.astype(np.float64)).any():
+        stats["max_abs"] = float("nan")
+    floor = error_stats(np.asarray(plain), ref)["max_abs"] if plain is not None else 0.0
+    bound = TOL[key].bound(floor, float(np.abs(ref).max()) if ref.size else 0.0, np.dtype(key[1]))
+    err = stats["max_abs"]
+    multiple = err / floor if floor > 0 else (0.0 if err == 0 else float("inf"))
+    return {**stats, "floor": floor, "bound": bound, "multiple": multiple, "passed": bool(err <= bound)}
+
+
 def assert_close(op: str, out, ref, plain=None, *, dtype=None, backend: str = "?", case: str = "",
                  seed: int | None = None, tol_op: str | None = None) -> dict:
     """Fail unless `out` is within TOL[(op, dtype)] of `ref`; return the recorded errors."""
@@ -63,13 +77,10 @@ def assert_close(op: str, out, ref, plain=None, *, dtype=None, backend: str = "?
         first = tuple(int(i) for i in np.argwhere(nan)[0])
         raise AssertionError(f"{head}: {int(nan.sum())} NaN in the output (first at {first}; unwritten "
                              f"or read past the valid length?), shape {out.shape}\nrerun: {rerun_command()}")
-    stats = error_stats(out, ref)
-    floor = error_stats(np.asarray(plain), ref)["max_abs"] if plain is not None else 0.0
-    bound = tol.bound(floor, float(np.abs(ref).max()) if ref.size else 0.0, out.dtype)
-    multiple = stats["max_abs"] / floor if floor > 0 else (0.0 if stats["max_abs"] == 0 else float("inf"))
-    record = {"op": op, "backend": backend, "case": case, "seed": seed, "max_abs": stats["max_abs"],
-              "rel_l2": stats["rel_l2"], "floor": floor, "multiple": multiple, "bound": bound,
-              "passed": stats["max_abs"] <= bound}
+    m = measure(out, ref, plain, key)
+    stats, floor, bound, multiple = m, m["floor"], m["bound"], m["multiple"]
+    record = {"op": op, "backend": backend, "case": case, "seed": seed, "max_abs": m["max_abs"],
+              "rel_l2": m["rel_l2"], "floor": floor, "multiple": multiple, "bound": bound, "passed": m["passed"]}
     RECORDS.append(record)
     if not record["passed"]:
         raise AssertionError(

@@ -30,8 +30,7 @@ from engine.modelfile import ModelFile
 from fixtures.dequantized import dequantized_weights
 from fixtures.layer_cases import LayerCase
 from ladder.blockrun import run_engine_block
-from ladder.compare import error_stats
-from ladder.tolerances import TOL
+from ladder.compare import measure
 from reference import ops as R
 from reference.model import ref_block
 
@@ -64,13 +63,8 @@ class Check:
 
 
 def check(name: str, out, ref, plain, tol_key: tuple[str, str], call: int | None = None) -> Check:
-    out, ref = np.asarray(out, dtype=np.float64), np.asarray(ref, dtype=np.float64)
-    stats = error_stats(out, ref)
-    if np.isnan(out).any():
-        stats["max_abs"] = float("nan")
-    floor = error_stats(np.asarray(plain), ref)["max_abs"]
-    bound = TOL[tol_key].bound(floor, float(np.abs(ref).max()) if ref.size else 0.0, np.dtype(tol_key[1]))
-    return Check(name, stats["max_abs"], floor, bound, stats["where"], call)
+    m = measure(out, ref, plain, tol_key)
+    return Check(name, m["max_abs"], m["floor"], m["bound"], m["where"], call)
 
 
 # --- op-level checks on recorded calls ----------------------------------------------------------
