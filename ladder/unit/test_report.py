@@ -1,0 +1,45 @@
+"""Unit rung: the ladder's report: merging rung results, coverage findings, and the baseline diff."""
+
+from __future__ import annotations
+
+from ladder import report as R
+from kernels import OPS
+
+
+def rung_result(rung: str, ops: list[tuple[str, float, bool]], calls: dict[str, int]) -> dict:
+    return {"rungs": {rung: {"passed": 3, "failed": 0, "skipped": 1}}, "skips": {rung: {"no GPU": 1}},
+            "ops": [{"rung": rung, "backend": "numpy", "op": op, "multiple": m, "passed": ok, "max_abs": 0.0,
+                     "case": "c"} for op, m, ok in ops],
+            "calls": [{"rung": rung, "backend": "numpy", "op": op, "n": n} for op, n in calls.items()],
+            "failures": [], "exit": 0, "seconds": 1.0}
+
+
+def report(multiples: dict[str, tuple[float, bool]]) -> dict:
+    ops = [(op, m, ok) for op, (m, ok) in multiples.items()]
+    return R.merge({"unit": rung_result("unit", ops, {op: 1 for op in OPS[:-1]})}, {"model": "m"})
+
+
+def test_baseline_flags_growth_past_the_limit_and_new_failures():
+    base = report({"rmsnorm": (1.0, True), "qkv_proj": (1.0, True), "argmax": (0.0, True), "lm_head": (1.0, True)})
+    now = report({"rmsnorm": (R.BASELINE_GROWTH * 1.01, True), "qkv_proj": (R.BASELINE_GROWTH * 0.99, True),
+                  "argmax": (2.0, True), "lm_head": (9.0, False)})
+    found = R.compare_baseline(now, base)
+    assert any("rmsnorm" in f and "grew" in f for f in found)
+    assert not any("qkv_proj" in f for f in found), "growth under the limit is not a regression"
+    assert any("argmax" in f and "was exact" in f for f in found)
+    assert any("lm_head" in f and "newly fails" in f for f in found)
+
+
+def test_an_op_no_rung_calls_is_a_coverage_finding():
+    rep = report({"rmsnorm": (1.0, True)})
+    assert rep["coverage"]["numpy"][OPS[-1]] == [] and rep["coverage"]["numpy"][OPS[0]] == ["unit"]
+    assert "**none: a finding**" in R.markdown({**rep, "meta": {**rep["meta"], "result": "FAILED"}})
+
+
+def test_report_round_trips_through_its_folder(tmp_path):
+    rep = report({"rmsnorm": (1.25, True)})
+    rep["meta"]["result"] = "passed"
+    R.write(tmp_path, rep)
+    assert R.load(tmp_path) == rep
+    md = (tmp_path / "report.md").read_text()
+    assert "| unit | 0 | 3 | 0 | 1 |" in md and "1.25x" in md and "no GPU" in md
