@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ladder import report as R
 from kernels import OPS
+from ladder import report as R
 
 
 def rung_result(rung: str, ops: list[tuple[str, float, bool]], calls: dict[str, int]) -> dict:
