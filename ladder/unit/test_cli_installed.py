@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 
-@pytest.mark.parametrize("command", ["ladder", "generate", "convert", "inspect", "bench"])
+@pytest.mark.parametrize("command", ["ladder", "generate", "convert", "inspect", "bench", "descend", "bisect"])
 def test_installed_command_line_knows_every_subcommand(tmp_path, command):
     exe = shutil.which("nanoqwen")
     if exe is None:
