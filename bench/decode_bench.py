@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -620,7 +619,7 @@ def print_table(r, png):
               f"{k['bytes_per_call'] / 1e6:8.2f} {k['tbs']:6.2f} {k['pct_copy_rate']:6.1f}")
     print(f"{'sum of ops (each alone, in graphs)':34s} {'':5s} {'':8s} {tot:8.3f}   vs graph step {d['graph_ms_median']:.3f} ms")
     print(f"GEMV config: {r['gemv_config']}")
-    print(f"JSON: bench.json" + (f", chart: {Path(png).name}" if png else "") + f" in {r.get('out', '')}")
+    print("JSON: bench.json" + (f", chart: {Path(png).name}" if png else "") + f" in {r.get('out', '')}")
 
 
 def cli_main(argv=None) -> int:
