@@ -38,43 +38,23 @@ def _progress(label: str):
     return show
 
 
-def _default_model() -> Path:
-    from fixtures.default_model import default_model_file
-
-    return default_model_file()
-
-
 def cmd_generate(args) -> int:
     import numpy as np
 
     import engine
     from engine.model import Timings
 
-    path = Path(args.model) if args.model else _default_model()
-    model = engine.load(path, backend=args.backend)
-    tok = None
-    if args.prompt is not None:
-        if model.tokenizer_json is None:
-            raise SystemExit(f"nanoqwen: error: {path} carries no tokenizer.json; use --prompt-ids")
-        from tokenizers import Tokenizer
+    from ladder.models import prompt_ids, resolve_model
 
-        tok = Tokenizer.from_str(model.tokenizer_json.decode())
-        ids = tok.encode(args.prompt).ids
-    else:
-        try:
-            ids = [int(s) for s in args.prompt_ids.split(",") if s.strip()]
-        except ValueError:
-            raise SystemExit(f"nanoqwen: error: --prompt-ids must be comma-separated integers, got {args.prompt_ids!r}")
+    path = resolve_model(args.model)
+    model = engine.load(path, backend=args.backend)
+    ids, tok = prompt_ids(path, args.prompt, args.prompt_ids)
     timings = Timings()
     stop = [] if args.no_stop else [model.config.eos_token_id]
     out = model.generate(ids, args.max_new_tokens, stop_ids=stop, timings=timings)
     print(f"model:      {path}")
     print(f"prompt ids: {ids}")
     print(f"new ids:    {out}")
-    if tok is None and model.tokenizer_json is not None:
-        from tokenizers import Tokenizer
-
-        tok = Tokenizer.from_str(model.tokenizer_json.decode())
     if tok is not None:
         print("text:")
         print((args.prompt or tok.decode(ids)) + tok.decode(out))

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.config import Qwen2Config
+from engine.config import PAGE_SIZE, Qwen2Config
 from engine.modelfile import ModelFile
 from fixtures.dequantized import dequantized_weights
 from fixtures.layer_cases import LayerCase
@@ -35,7 +35,7 @@ from reference import ops as R
 from reference.model import ref_block
 
 F16, F32 = np.float16, np.float32
-PAGE = 16
+PAGE = PAGE_SIZE
 
 
 @dataclass
@@ -245,21 +245,10 @@ def plot(result: dict, path: Path) -> bool:
 
 
 def cmd_descend(args) -> int:
-    from ladder.models import resolve_model
+    from ladder.models import prompt_ids, resolve_model
 
     path = resolve_model(args.model)
-    if args.prompt_ids:
-        try:
-            ids = [int(s) for s in args.prompt_ids.split(",") if s.strip()]
-        except ValueError:
-            raise SystemExit(f"nanoqwen: error: --prompt-ids must be comma-separated integers, got {args.prompt_ids!r}")
-    else:
-        from tokenizers import Tokenizer
-
-        blob = ModelFile(path).file("tokenizer.json")
-        if blob is None:
-            raise SystemExit(f"nanoqwen: error: {path} carries no tokenizer.json; use --prompt-ids")
-        ids = Tokenizer.from_str(blob.decode()).encode(args.prompt).ids
+    ids, _ = prompt_ids(path, None if args.prompt_ids else args.prompt, args.prompt_ids)
     if len(ids) < 2:
         raise SystemExit("nanoqwen: error: descend needs a prompt of at least 2 tokens (a prefill and a decode step)")
     result = descend(path, ids, args.backend, args.decode_steps, args.plant_fault)

@@ -26,9 +26,10 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from engine.config import PAGE_SIZE
 from ladder.tolerances import MAX_LOGIT_DIFF, MAX_NEAR_TIE_FRACTION, NEAR_TIE_EPS
 
-PAGE = 16  # tokens per KV page (engine/config.py PAGE_SIZE)
+PAGE = PAGE_SIZE
 
 
 def new_tokens_for(prompt_len: int, page: int = PAGE, beyond: int = 8) -> int:
