@@ -38,6 +38,14 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 RUNGS = ("unit", "layer", "graph")
 _LADDER_DIR = Path(__file__).resolve().parent
+# The markers live here, not in a configuration file, so that the installed package (no pyproject.toml
+# beside it) and `nanoqwen ladder` started from any folder know them under --strict-markers.
+MARKERS = {
+    "unit": "each kernel against the float64 NumPy reference (Hypothesis-drawn shapes)",
+    "layer": "one decoder block against transformers' Qwen2DecoderLayer and golden activations",
+    "graph": "greedy tokens of the whole model against the HF simulation",
+    "gpu": "needs a CUDA GPU (skipped with a reason elsewhere)",
+}
 
 
 def pytest_addoption(parser):
@@ -97,6 +105,10 @@ def _is_worker(config) -> bool:
 
 
 def pytest_configure(config):
+    for name, doc in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {doc}")
+    # A complex value silently cast to real would hide a kernel bug: make it an error in every run.
+    config.addinivalue_line("filterwarnings", "error::numpy.exceptions.ComplexWarning")
     for b in required_backends(config):
         if b not in selected_backends(config):
             raise pytest.UsageError(f"--require-backend {b} but --backend selects {selected_backends(config)}")

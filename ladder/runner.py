@@ -1,0 +1,199 @@
+"""`nanoqwen ladder`: the unit, layer and graph rungs in order, each as its own pytest process, and the
+report folder at the end (ladder/report.py).
+
+It must work the way a user runs it: the installed command, started from any folder, on any model.
+So every path the user gives (`--model`, `--prompts`, `--report`, `--baseline`) is made absolute
+against the user's folder before a rung starts, and the rungs write only into the report folder (no
+pytest cache; Hypothesis keeps its example database under the nanoqwen cache folder). A rung's pytest
+reads no configuration file, so neither a user's own nor a missing one (a non-editable install has no
+pyproject.toml) changes it: the project's settings travel on its command line and in the plugin
+(markers, `--strict-markers`).
+
+    nanoqwen ladder [--model FILE|HF_DIR] [--prompts FILE] [--backend B] [--rungs unit,layer,graph]
+                    [--keep-going] [--report DIR] [--baseline DIR] [--coverage] [--plant-fault NAME[@LAYER]]
+                    [--new-tokens N] [--skip-determinism] [-n WORKERS] [-- EXTRA PYTEST ARGS]
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from engine.errors import NanoqwenError
+
+RUNGS = ("unit", "layer", "graph")
+PACKAGE = Path(__file__).resolve().parent  # ladder/: the rungs' test folders live here
+ROOT = PACKAGE.parent  # the folder that holds the project's packages (a checkout, or site-packages)
+
+
+def rung_command(rung: str, out: Path, args, extra: list[str]) -> list[str]:
+    """The pytest command line of one rung: absolute paths only, the project's settings explicit."""
+    cmd = [sys.executable, "-m", "pytest", str(PACKAGE / rung), "-m", rung, "-p", "ladder.plugin",
+           # No configuration file is searched for (one above site-packages could be the user's own):
+           # the settings are these flags and the plugin's markers; conftest files load from ROOT down.
+           "-c", os.devnull, "--rootdir", str(ROOT), "--confcutdir", str(ROOT),
+           "-p", "no:cacheprovider", "--strict-markers", "-q", "-ra",
+           "--ladder-json", str(out / f"{rung}.json"),
+           "--junitxml", str(out / f"junit-{rung}.xml"), "-o", "junit_family=xunit2"]
+    if args.workers != "0":
+        cmd += ["-n", args.workers]
+    for opt in ("backend", "model", "prompts", "plant_fault", "hypothesis_profile", "new_tokens"):
+        value = getattr(args, opt, None)
+        if value:
+            cmd += [f"--{opt.replace('_', '-')}", str(value)]
+    if args.require_backend:
+        cmd += ["--require-backend", args.require_backend]
+    if getattr(args, "skip_determinism", False):
+        cmd += ["--skip-determinism"]
+    return cmd + extra
+
+
+def rung_environment() -> dict:
+    """The rungs import the project from ROOT, and Hypothesis stores examples in the nanoqwen cache."""
+    from fixtures.tiny_model import cache_root
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", str(cache_root() / "hypothesis"))
+    return env
+
+
+class LadderArgumentError(NanoqwenError):
+    """A `nanoqwen ladder` argument that names nothing usable (one line, exit 2)."""
+
+
+def _absolute(value: str | None) -> str | None:
+    return None if value is None else str(Path(value).expanduser().resolve())
+
+
+def cmd_ladder(args) -> int:
+    """Run the rungs in order; stop at the first red one unless --keep-going."""
+    from ladder import report as R
+    from ladder.models import resolve_model
+
+    rungs = [r.strip() for r in args.rungs.split(",") if r.strip()]
+    unknown = sorted(set(rungs) - set(RUNGS))
+    if unknown or not rungs:
+        raise LadderArgumentError(f"--rungs {args.rungs!r}: unknown rung(s) {unknown}; the rungs are {', '.join(RUNGS)}")
+    extra = list(args.pytest_args or [])
+    if extra and extra[0] == "--":
+        extra = extra[1:]
+    for opt in ("model", "prompts", "baseline"):
+        path = getattr(args, opt)
+        if path is not None and not Path(path).expanduser().exists():
+            raise LadderArgumentError(f"--{opt} {path}: no such file or folder")
+        setattr(args, opt, _absolute(path))
+    try:  # a bad baseline fails before the rungs, not after them
+        baseline = R.load(Path(args.baseline)) if args.baseline else None
+    except (OSError, ValueError) as e:
+        raise LadderArgumentError(f"--baseline {args.baseline}: {e}") from None
+    if args.model:  # resolve once: an HF folder is converted here, not by each worker
+        args.model = str(resolve_model(args.model))
+    out = Path(args.report or f"reports/ladder-{datetime.datetime.now():%Y%m%d-%H%M%S}").expanduser().resolve()
+    out.mkdir(parents=True, exist_ok=True)
+
+    env = rung_environment()
+    results, started = {}, datetime.datetime.now().isoformat(timespec="seconds")
+    failed = False
+    for i, rung in enumerate(rungs, 1):
+        print(f"[{i}/{len(rungs)}] rung {rung}", flush=True)
+        rung_json = out / f"{rung}.json"
+        rung_json.unlink(missing_ok=True)  # a stale file from an earlier run must not count as this one
+        t0 = time.perf_counter()
+        code = subprocess.call(rung_command(rung, out, args, extra), cwd=ROOT, env=env)
+        data = json.loads(rung_json.read_text()) if rung_json.exists() else {}
+        ran = sum(data.get("rungs", {}).get(rung, {}).values()) if data else 0
+        if code == 5 or ran == 0:  # pytest's "no tests collected", or a run that wrote no result
+            print(f"nanoqwen: rung {rung} collected no test" + ("" if data else f" (no {rung_json.name} written)"),
+                  file=sys.stderr)
+            code = code or 5
+        results[rung] = {**data, "exit": code, "seconds": time.perf_counter() - t0}
+        if code != 0:
+            failed = True
+            if not args.keep_going:
+                print(f"nanoqwen: rung {rung} is red; stopping (--keep-going runs the rest)", file=sys.stderr)
+                break
+    meta = {"model": args.model or "default", "backends": [args.backend or "auto"], "started": started,
+            "plant_fault": args.plant_fault, "argv": sys.argv[1:]}
+    rep = R.merge(results, meta)
+    if baseline is not None:
+        rep["regressions"] = R.compare_baseline(rep, baseline)
+        failed = failed or bool(rep["regressions"])
+    uncovered = [f"{b}/{op}" for b, ops in rep["coverage"].items() for op, r in ops.items() if not r]
+    if args.coverage and uncovered and len(rungs) == len(RUNGS):
+        failed = True
+    rep["meta"]["result"] = "FAILED" if failed else "passed"
+    R.write(out, rep)
+    print_table(rep, args.coverage)
+    print(f"report: {out}/report.md, report.json, junit-*.xml")
+    return 1 if failed else 0
+
+
+def print_table(rep: dict, show_coverage: bool) -> None:
+    print()
+    print(f"{'rung':<7}{'exit':>5}{'passed':>8}{'failed':>8}{'skipped':>9}{'seconds':>9}")
+    for rung, r in rep["rungs"].items():
+        print(f"{rung:<7}{r['exit']:>5}{r.get('passed', 0):>8}{r.get('failed', 0):>8}{r.get('skipped', 0):>9}"
+              f"{r['seconds']:>9.1f}")
+    worst = {}
+    for o in rep["ops"]:
+        k = (o["backend"], o["op"])
+        if k not in worst or o["multiple"] > worst[k]["multiple"]:
+            worst[k] = o
+    if worst:
+        print(f"\n{'backend':<10}{'op':<22}{'worst / floor':>14}  rung")
+        for (b, op), o in sorted(worst.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
+            m = o["multiple"]
+            print(f"{str(b):<10}{op:<22}{'exact' if m == 0 else f'{m:.2f}x':>14}  {o['rung']}"
+                  + ("" if o.get("passed", True) else "  FAILED"))
+    if show_coverage:
+        print("\ncoverage (rungs that called each op):")
+        for b, ops in rep["coverage"].items():
+            for op, rungs in ops.items():
+                print(f"  {b:<8}{op:<22}{', '.join(rungs) if rungs else 'NO RUNG CALLS IT (a finding)'}")
+    for r in rep.get("regressions", []):
+        print(f"REGRESSION {r}")
+
+
+def register(sub) -> None:
+    lad = sub.add_parser("ladder", help="run the unit, layer and graph rungs in order and write a report",
+                         description="Run the unit, layer and graph rungs in order, each as its own pytest "
+                                     "process, and write a report folder. Arguments after `--` go to every "
+                                     "rung's pytest (e.g. `-- -k rmsnorm`).")
+    lad.add_argument("--model", help=".nanoqwen file or Hugging Face folder (default: the embedded default model)")
+    lad.add_argument("--prompts", help="graph-rung prompts (JSON lines with 'id' and 'ids' or 'text'); default: "
+                                       "the default prompt set, re-tokenized or drawn for a model of another vocab")
+    lad.add_argument("--backend", choices=["numpy", "cuda", "all"], help="default: numpy, plus cuda where present")
+    lad.add_argument("--require-backend", choices=["numpy", "cuda"], help="a backend that must run (skip = failure)")
+    lad.add_argument("--rungs", default=",".join(RUNGS), help="comma-separated subset, in order (default: all)")
+    lad.add_argument("--keep-going", action="store_true", help="run every rung even after a red one")
+    lad.add_argument("--report", help="report folder (default: reports/ladder-TIMESTAMP under the current folder)")
+    lad.add_argument("--baseline", help="an earlier report folder: flag ops that regressed or newly fail")
+    lad.add_argument("--coverage", action="store_true", help="list each backend's ops and the rungs that called them")
+    lad.add_argument("--plant-fault", help="plant a fault from ladder/faults.py (the run must go red)")
+    lad.add_argument("--hypothesis-profile", choices=["ci", "nightly"], help="Hypothesis profile (default ci)")
+    lad.add_argument("--new-tokens", type=_positive_int, help="graph rung: tokens generated per prompt "
+                                                              "(default: past the next page boundary)")
+    lad.add_argument("--skip-determinism", action="store_true",
+                     help="graph rung: skip the three-run determinism test (slow machines)")
+    lad.add_argument("-n", "--workers", default="auto", help="pytest-xdist workers per rung ('0' for none)")
+    lad.add_argument("pytest_args", nargs="*", metavar="-- PYTEST ARGS",
+                     help="extra arguments for every rung's pytest, after `--`")
+    lad.set_defaults(func=cmd_ladder)
+
+
+def _positive_int(text: str) -> int:
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
