@@ -1,4 +1,4 @@
-"""The paged KV cache (DESIGN.md, "KV cache").
+"""The paged KV cache (docs/ARCHITECTURE.md, "The KV cache").
 
 Per layer, K and V are fp16 `[num_pages, num_kv_heads, 16, head_dim]`. A sequence owns an int32 page
 table shared by every layer and head: token `t` lives in page `page_table[t // 16]`, slot `t % 16`.

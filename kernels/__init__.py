@@ -1,4 +1,4 @@
-"""Kernels: one Backend object per device, whose attributes are the ops of DESIGN.md's table.
+"""Kernels: one Backend object per device, whose attributes are the ops of docs/BACKEND.md's table.
 
 `get_backend("numpy")` is the CPU backend (kernels/numpy/), `get_backend("cuda")` the GPU one
 (kernels/cuda/, CuPy). Exact op signatures are in docs/BACKEND.md. Nothing here imports `engine/`:
@@ -11,7 +11,7 @@ import dataclasses
 from typing import Any
 
 BACKENDS = ("numpy", "cuda")
-# The op set of DESIGN.md / docs/BACKEND.md: what every backend implements and the ladder checks.
+# The op set of docs/BACKEND.md: what every backend implements and the ladder checks.
 OPS = ("embed", "rmsnorm", "qkv_proj", "rope_kv_write", "attention_prefill", "attention_decode",
        "o_proj_residual", "gate_up_silu", "down_residual", "lm_head", "argmax")
 

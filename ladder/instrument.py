@@ -1,6 +1,6 @@
 """Counting every op call a rung makes, for the coverage listing (`nanoqwen ladder --coverage`).
 
-`record_calls(backend, counts)` replaces each op of DESIGN.md's table on the Backend object with a
+`record_calls(backend, counts)` replaces each op of docs/BACKEND.md's table on the Backend object with a
 wrapper that counts calls into `counts[op]` and then calls the op it replaced (a fault planted
 before or after still runs). Wrappers are made once per op: their identity is stable, which keeps a
 captured CUDA graph valid.

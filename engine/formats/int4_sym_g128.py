@@ -1,6 +1,6 @@
 """`int4_sym_g128`: INT4 symmetric, one fp16 scale per 128 inputs, nibbles in the ValueShuffle order.
 
-This module is the definition (DESIGN.md, "INT4"). For a weight `W[out, in]` (float32), group `j`
+This module is the definition (docs/FORMAT.md, "int4_sym_g128"). For a weight `W[out, in]` (float32), group `j`
 covering inputs `128j .. 128j+127`:
 
     s[o, j] = fp16(max |W[o, 128j : 128j+128]| / 7)

@@ -6,7 +6,7 @@
 // The loader pastes this file in place of `#include "common.cuh"` so that CuPy's kernel cache, which
 // hashes the source text it is given, sees every change made here.
 //
-// Mirrors kernels/numpy/int4.py (the unpack) and the fp32-accumulation contract of DESIGN.md.
+// Mirrors kernels/numpy/int4.py (the unpack) and the fp32-accumulation contract of docs/ARCHITECTURE.md.
 #pragma once
 
 typedef unsigned int u32;

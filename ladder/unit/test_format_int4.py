@@ -1,6 +1,6 @@
 """Unit rung: the `int4_sym_g128` format, read three ways (engine/formats, kernels/numpy, reference).
 
-The definition is DESIGN.md's; these tests pin it: the word layout bit for bit, the round trip, the
+The definition is docs/FORMAT.md's; these tests pin it: the word layout bit for bit, the round trip, the
 per-group error bound, all-zero groups, values exactly on rounding ties, and refusal of weights the
 format cannot hold.
 """

@@ -1,4 +1,4 @@
-"""Unit rung: the arrows of DESIGN.md point one way. A scan of every import in the tree.
+"""Unit rung: the arrows of docs/ARCHITECTURE.md point one way. A scan of every import in the tree.
 
     ladder -> engine, kernels, reference, fixtures;  engine -> kernels;  fixtures -> engine, reference
     reference imports neither engine nor kernels; kernels never imports engine.
