@@ -4,12 +4,19 @@ Reads `config.json` and `model.safetensors` (or the shards a `model.safetensors.
 `save_pretrained` writes them) in bf16, fp16 or fp32, one tensor at a time, so memory stays near one
 tensor's size. The seven linears of each layer go through the chosen format's `quantize`; embeddings,
 norms, biases and lm_head are stored fp16. `tokenizer.json`, when the folder has one, travels inside
-the file. Writing goes through a temporary file and a rename (engine/modelfile.py).
+the file. Writing goes through a temporary file and a rename (engine/modelfile.py, engine/outpath.py).
+
+Everything that can be checked is checked before the first tensor is read: the output path, the
+config's values (type and sign, by key), every safetensors header entry (dtype, shape, data offsets
+that match the shape and lie inside the file), the index's `weight_map` and its shards, and the
+name, dtype and shape of every tensor the config needs. Each problem is one `CheckpointError` (or
+`ConfigError`, `OutputPathError`) naming the file and the key.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import struct
 from pathlib import Path
@@ -17,55 +24,203 @@ from pathlib import Path
 import numpy as np
 
 from engine.config import Qwen2Config
-from engine.errors import NanoqwenError
+from engine.errors import ConfigError, NanoqwenError
 from engine.formats import get_format
-from engine.weights import linear_names, plain_tensor_specs
 from engine.modelfile import PendingTensor, write_model
+from engine.outpath import check_output_path
+from engine.weights import linear_names, plain_tensor_specs
 
 
 class CheckpointError(NanoqwenError):
     """A Hugging Face checkpoint folder that cannot be converted; the message names the file."""
 
 
-_ST_DTYPES = {"BF16": 2, "F16": 2, "F32": 4}
+_ST_DTYPES = {"BF16": 2, "F16": 2, "F32": 4}  # the dtypes read
+_ST_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2,
+                "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "F64": 8, "I64": 8, "U64": 8}
+_ST_MAX_HEADER = 100 << 20  # the safetensors format's own limit on a header
+INDEX = "model.safetensors.index.json"
+
+
+def _brief(value) -> str:
+    r = repr(value)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return _is_int(v) or (isinstance(v, float) and math.isfinite(v))
+
+
+def _read_json(path: Path, what: str):
+    try:
+        text = path.read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read {what} ({e.strerror or e})") from None
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise CheckpointError(f"{path}: {what} is not JSON ({str(e)[:120]})") from None
+
+
+# --- config.json --------------------------------------------------------------------------------
+
+_POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                  "num_attention_heads", "num_key_value_heads", "max_position_embeddings")
+_OPTIONAL = {"head_dim": "positive integer", "rms_norm_eps": "positive number", "rope_theta": "positive number",
+             "tie_word_embeddings": "boolean", "use_sliding_window": "boolean", "attention_bias": "boolean",
+             "hidden_act": "string", "model_type": "string", "rope_parameters": "object",
+             "rope_scaling": "object", "architectures": "list of strings", "layer_types": "list of strings"}
+_KINDS = {
+    "positive integer": lambda v: _is_int(v) and v > 0,
+    "positive number": lambda v: _is_number(v) and v > 0,
+    "boolean": lambda v: isinstance(v, bool),
+    "string": lambda v: isinstance(v, str),
+    "object": lambda v: isinstance(v, dict),
+    "list of strings": lambda v: isinstance(v, list) and all(isinstance(s, str) for s in v),
+}
+
+
+def check_config_values(d, path: Path) -> None:
+    """Refuse, by key, a config.json value of the wrong type or sign (before Qwen2Config reads it)."""
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{path}: config.json is a JSON {type(d).__name__}, not an object")
+
+    def bad(key, want, value):
+        raise CheckpointError(f"{path}: config key {key!r} must be a {want}, got {_brief(value)}")
+
+    for key in _POSITIVE_INTS:
+        if key in d and not _KINDS["positive integer"](d[key]):
+            bad(key, "positive integer", d[key])
+    for key, want in _OPTIONAL.items():
+        if d.get(key) is not None and not _KINDS[want](d[key]):
+            bad(key, want, d[key])
+    rope = d.get("rope_parameters") or {}
+    if rope.get("rope_theta") is not None and not _KINDS["positive number"](rope["rope_theta"]):
+        bad("rope_parameters.rope_theta", "positive number", rope["rope_theta"])
+    for key in ("rope_type", "type"):
+        if rope.get(key) is not None and not isinstance(rope[key], str):
+            bad(f"rope_parameters.{key}", "string", rope[key])
+    vocab = d.get("vocab_size")
+    for key in ("bos_token_id", "eos_token_id"):
+        value = d.get(key)
+        ids = value if isinstance(value, list) else [value]
+        if value is None or (isinstance(value, list) and not value):
+            continue
+        if not all(_is_int(i) and i >= 0 for i in ids):
+            bad(key, "non-negative integer or a list of them", value)
+        if _is_int(vocab) and any(i >= vocab for i in ids):
+            raise CheckpointError(f"{path}: config key {key!r} = {_brief(value)} is outside the vocabulary "
+                                  f"(vocab_size {vocab})")
+
+
+def read_config(hf_dir: Path) -> Qwen2Config:
+    """The folder's config.json as a Qwen2Config; a CheckpointError or ConfigError naming the key."""
+    if not hf_dir.exists():
+        raise CheckpointError(f"{hf_dir}: no such folder")
+    if not hf_dir.is_dir():
+        raise CheckpointError(f"{hf_dir}: not a folder (convert reads a Hugging Face model folder)")
+    path = hf_dir / "config.json"
+    if not path.exists():
+        raise CheckpointError(f"{hf_dir}: no config.json (is this a Hugging Face model folder?)")
+    d = _read_json(path, "config.json")
+    check_config_values(d, path)
+    try:
+        return Qwen2Config.from_hf_dict(d)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    except NanoqwenError:
+        raise
+    except (TypeError, ValueError, AttributeError) as e:  # a value the checks above did not foresee
+        raise CheckpointError(f"{path}: unusable config value ({e})") from None
+
+
+# --- safetensors --------------------------------------------------------------------------------
 
 
 class SafetensorsFolder:
-    """Lazy reader of a folder's safetensors files (bf16 turned into fp32 by a 16-bit shift)."""
+    """Lazy reader of a folder's safetensors files (bf16 turned into fp32 by a 16-bit shift). Every
+    header entry is checked when the folder is opened; tensor data is read only by `read`."""
 
     def __init__(self, folder: Path):
         self.folder = folder
-        index = folder / "model.safetensors.index.json"
+        index = folder / INDEX
+        weight_map = {}
         if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = self._weight_map(index)
             files = sorted(set(weight_map.values()))
         elif (folder / "model.safetensors").exists():
             files = ["model.safetensors"]
         else:
-            raise CheckpointError(f"{folder}: no model.safetensors or model.safetensors.index.json")
+            raise CheckpointError(f"{folder}: no model.safetensors or {INDEX}")
         self.entries: dict[str, tuple[Path, dict, int]] = {}
         for name in files:
             path = folder / name
+            base, header = self._header(path)
+            for key, meta in header.items():
+                if key == "__metadata__":
+                    continue
+                if key in self.entries:
+                    raise CheckpointError(f"{path}: tensor {key!r} is also in {self.entries[key][0].name}")
+                self.entries[key] = (path, meta, base)
+        for key, shard in weight_map.items():
+            if key not in self.entries or self.entries[key][0].name != shard:
+                raise CheckpointError(f"{index}: weight_map puts {key!r} in {shard}, which holds no such tensor")
+
+    def _weight_map(self, index: Path) -> dict[str, str]:
+        d = _read_json(index, "the index")
+        weight_map = d.get("weight_map") if isinstance(d, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index}: no 'weight_map' object (tensor name -> shard file)")
+        for key, shard in weight_map.items():
+            if not isinstance(shard, str) or not shard or Path(shard).name != shard or shard in (".", ".."):
+                raise CheckpointError(f"{index}: weight_map[{key!r}] is {_brief(shard)}, not a file name in the folder")
+        for shard in sorted(set(weight_map.values())):
+            if not (self.folder / shard).is_file():
+                raise CheckpointError(f"{index}: weight_map names shard {shard!r}, which is not in the folder")
+        return weight_map
+
+    @staticmethod
+    def _header(path: Path) -> tuple[int, dict]:
+        """(data base offset, header) of one safetensors file, every tensor entry checked."""
+        try:
             with open(path, "rb") as f:
+                size = f.seek(0, 2)
+                f.seek(0)
                 head = f.read(8)
                 if len(head) < 8:
                     raise CheckpointError(f"{path}: truncated safetensors file")
                 (n,) = struct.unpack("<Q", head)
-                if n > path.stat().st_size - 8:
+                if n > size - 8:
                     raise CheckpointError(f"{path}: safetensors header length {n} runs past the end of the file")
-                try:
-                    header = json.loads(f.read(n))
-                except ValueError as e:
-                    raise CheckpointError(f"{path}: safetensors header is not JSON ({e})") from None
-            for key, meta in header.items():
-                if key != "__metadata__":
-                    self.entries[key] = (path, meta, 8 + n)
+                if n > _ST_MAX_HEADER:
+                    raise CheckpointError(f"{path}: safetensors header length {n} is over the format's 100 MiB limit")
+                raw = f.read(n)
+        except OSError as e:
+            raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
+        try:
+            header = json.loads(raw)
+        except (ValueError, RecursionError) as e:
+            raise CheckpointError(f"{path}: safetensors header is not JSON ({str(e)[:120]})") from None
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{path}: safetensors header is a JSON {type(header).__name__}, not an object")
+        base = 8 + n
+        for key, meta in header.items():
+            if key != "__metadata__":
+                _check_entry(path, key, meta, size - base)
+        return base, header
 
     def names(self):
         return self.entries.keys()
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.entries[name][1]["shape"])
+
+    def dtype(self, name: str) -> str:
+        return self.entries[name][1]["dtype"]
 
     def read(self, name: str) -> np.ndarray:
         """The tensor as float32."""
@@ -74,28 +229,63 @@ class SafetensorsFolder:
         if dtype not in _ST_DTYPES:
             raise CheckpointError(f"{path}: tensor {name} has dtype {dtype}; only BF16, F16 and F32 are read")
         start, end = (base + o for o in meta["data_offsets"])
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            if end > len(m):
-                raise CheckpointError(f"{path}: tensor {name} runs past the end of the file")
-            raw = np.frombuffer(m[start:end], dtype=np.uint8)
+        try:
+            with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                if end > len(m):
+                    raise CheckpointError(f"{path}: tensor {name} runs past the end of the file")
+                raw = np.frombuffer(m[start:end], dtype=np.uint8)
+        except (OSError, ValueError) as e:  # the file vanished, or shrank to nothing, since it was opened
+            raise CheckpointError(f"{path}: cannot read tensor {name} ({e})") from None
         shape = meta["shape"]
         if dtype == "BF16":
             return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32).reshape(shape)
         return raw.view("<f2" if dtype == "F16" else "<f4").astype(np.float32).reshape(shape)
 
 
+def _check_entry(path: Path, key: str, meta, data_size: int) -> None:
+    """One header entry: {"dtype": str, "shape": [ints >= 0], "data_offsets": [begin, end]} inside the
+    data, its length the shape's element count times the dtype's size (for the dtypes safetensors knows)."""
+    where = f"{path}: tensor {key!r}"
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{where}: header entry is {_brief(meta)}, not an object")
+    for field in ("dtype", "shape", "data_offsets"):
+        if field not in meta:
+            raise CheckpointError(f"{where}: header entry has no {field!r}")
+    dtype, shape, offsets = meta["dtype"], meta["shape"], meta["data_offsets"]
+    if not isinstance(dtype, str):
+        raise CheckpointError(f"{where}: 'dtype' is {_brief(dtype)}, not a string")
+    if not isinstance(shape, list) or not all(_is_int(s) and s >= 0 for s in shape):
+        raise CheckpointError(f"{where}: 'shape' is {_brief(shape)}, not a list of non-negative integers")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]):
+        raise CheckpointError(f"{where}: 'data_offsets' is {_brief(offsets)}, not [begin, end] with 0 <= begin <= end")
+    if offsets[1] > data_size:
+        raise CheckpointError(f"{where}: data_offsets {offsets} run past the end of the file "
+                              f"({data_size} bytes of data)")
+    if dtype in _ST_ITEMSIZE:
+        expect = math.prod(shape) * _ST_ITEMSIZE[dtype]
+        if offsets[1] - offsets[0] != expect:
+            raise CheckpointError(f"{where}: data_offsets {offsets} hold {offsets[1] - offsets[0]} bytes; "
+                                  f"shape {shape} of {dtype} needs {expect}")
+
+
+# --- the conversion -----------------------------------------------------------------------------
+
+
 def convert(hf_dir, out_path, quant: str = "int4_sym_g128", progress=None) -> Qwen2Config:
     """Convert a Hugging Face Qwen2 folder; returns its config. `progress(i, n, name)` per tensor."""
     hf_dir = Path(hf_dir)
-    if not (hf_dir / "config.json").exists():
-        raise CheckpointError(f"{hf_dir}: no config.json (is this a Hugging Face model folder?)")
-    config = Qwen2Config.from_json_file(hf_dir / "config.json")
+    out_path = check_output_path(out_path)
     fmt = get_format(quant)
+    config = read_config(hf_dir)
     st = SafetensorsFolder(hf_dir)
 
     def source(name: str, shape: tuple[int, ...]) -> None:
         if name not in st.entries:
             raise CheckpointError(f"{hf_dir}: tensor {name} is missing from the checkpoint")
+        if st.dtype(name) not in _ST_DTYPES:
+            raise CheckpointError(f"{st.entries[name][0]}: tensor {name} has dtype {st.dtype(name)}; "
+                                  f"only BF16, F16 and F32 are read")
         if st.shape(name) != tuple(shape):
             raise CheckpointError(f"{hf_dir}: tensor {name} has shape {list(st.shape(name))}, "
                                   f"the config implies {list(shape)}")
@@ -125,6 +315,9 @@ def convert(hf_dir, out_path, quant: str = "int4_sym_g128", progress=None) -> Qw
     files = {}
     tok = hf_dir / "tokenizer.json"
     if tok.exists():
-        files["tokenizer.json"] = tok.read_bytes()
+        try:
+            files["tokenizer.json"] = tok.read_bytes()
+        except OSError as e:
+            raise CheckpointError(f"{tok}: cannot read ({e.strerror or e})") from None
     write_model(out_path, config.to_hf_dict(), quant, pending, files=files, progress=progress)
     return config

@@ -75,6 +75,15 @@ class UnknownFormatError(NanoqwenError):
     """A quantization format name that no module in engine/formats registers."""
 
 
+class OutputPathError(NanoqwenError):
+    """An output path that cannot be written (a folder, a missing or read-only parent, a failed write)."""
+
+    def __init__(self, path, problem: str):
+        self.path = str(path)
+        self.problem = problem
+        super().__init__(f"{self.path}: {problem}")
+
+
 class TokenIdError(NanoqwenError, ValueError):
     """A token id outside [0, vocab_size)."""
 

@@ -7,8 +7,9 @@
     ...        data      each tensor at an offset that is a multiple of 64, little-endian, C order
 
 The reader trusts nothing: every malformed case raises its own `ModelFileError` subclass, naming the
-file and the problem, before a tensor is handed out. The writer writes `PATH.tmp-<pid>` and renames
-it over `PATH`, so a crash never leaves a half-written model under the real name.
+file and the problem, before a tensor is handed out. The writer writes a temporary file named after
+its process (engine/outpath.py) and renames it over `PATH`, so a crash never leaves a half-written
+model under the real name, and a killed writer's leftover is removed by the next writer.
 """
 
 from __future__ import annotations
@@ -67,7 +68,14 @@ class PendingTensor:
 
 def write_model(path, config: dict, quant: str, tensors: Iterable[PendingTensor],
                 files: dict[str, bytes] | None = None, progress=None) -> None:
-    """Write a .nanoqwen file atomically. `progress(i, n, name)` is called after each tensor."""
+    """Write a .nanoqwen file atomically. `progress(i, n, name)` is called after each tensor.
+
+    An output path that cannot be written is an OutputPathError before any tensor is produced. The
+    data goes to a temporary file (engine/outpath.py) renamed over `path` at the end; an error, Ctrl-C
+    or SIGTERM removes it, and stale ones a killed writer left in the folder are removed first.
+    """
+    from engine.outpath import check_output_path, open_temp, remove_stale_temp_files, removing_on_termination, temp_path
+
     path = Path(path)
     tensors = list(tensors)
     files = dict(files or {})
@@ -95,37 +103,52 @@ def write_model(path, config: dict, quant: str, tensors: Iterable[PendingTensor]
     else:  # pragma: no cover - the slack above always suffices
         raise RuntimeError("header layout did not converge")
 
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(b"\0" * data_start)
-            for i, (t, entry) in enumerate(zip(tensors, table)):
-                arr = np.ascontiguousarray(t.produce(), dtype=DTYPES[t.dtype])
-                if tuple(arr.shape) != tuple(t.shape):
-                    raise ValueError(f"tensor {t.name}: produced shape {arr.shape}, declared {t.shape}")
-                f.seek(entry["offset"])
-                data = arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
-                f.write(data)
-                entry["checksum"] = checksum(data)
-                if progress:
-                    progress(i + 1, len(tensors), t.name)
-            for entry in file_table:
-                data = files[entry["name"]]
-                f.seek(entry["offset"])
-                f.write(data)
-                entry["checksum"] = checksum(data)
-            end = max([e["offset"] + e["length"] for e in table + file_table], default=data_start)
-            f.truncate(end)
-            hdr = header_bytes(table, file_table, data_start)
-            f.seek(0)
-            f.write(PREAMBLE.pack(MAGIC, VERSION, len(hdr)))
-            f.write(hdr)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    # Refuse an unwritable path and create the temporary file before the first tensor is produced.
+    check_output_path(path)
+    remove_stale_temp_files(path.parent)
+    tmp = temp_path(path)
+
+    def put(f, offset, data):
+        try:
+            f.seek(offset)
+            f.write(data)
+        except OSError as e:
+            raise E.OutputPathError(path, f"cannot write {tmp.name} ({e.strerror or e})") from None
+
+    with removing_on_termination():
+        try:
+            with open_temp(tmp, path) as f:
+                put(f, 0, b"\0" * data_start)
+                for i, (t, entry) in enumerate(zip(tensors, table)):
+                    arr = np.ascontiguousarray(t.produce(), dtype=DTYPES[t.dtype])
+                    if tuple(arr.shape) != tuple(t.shape):
+                        raise ValueError(f"tensor {t.name}: produced shape {arr.shape}, declared {t.shape}")
+                    data = arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
+                    put(f, entry["offset"], data)
+                    entry["checksum"] = checksum(data)
+                    if progress:
+                        progress(i + 1, len(tensors), t.name)
+                for entry in file_table:
+                    data = files[entry["name"]]
+                    put(f, entry["offset"], data)
+                    entry["checksum"] = checksum(data)
+                hdr = header_bytes(table, file_table, data_start)
+                put(f, 0, PREAMBLE.pack(MAGIC, VERSION, len(hdr)) + hdr)
+                try:
+                    f.truncate(max([e["offset"] + e["length"] for e in table + file_table], default=data_start))
+                    f.flush()
+                    os.fsync(f.fileno())
+                except OSError as e:
+                    raise E.OutputPathError(path, f"cannot write {tmp.name} ({e.strerror or e})") from None
+            try:
+                os.replace(tmp, path)
+            except OSError as e:
+                raise E.OutputPathError(path, f"cannot rename {tmp.name} over it ({e.strerror or e})") from None
+        finally:
+            try:
+                tmp.unlink()
+            except FileNotFoundError:
+                pass
 
 
 def _layout(tensors, files, start, placeholder):
