@@ -1,9 +1,17 @@
-"""`nanoqwen bench`: the subcommand's wiring; the benchmark itself lives in bench/decode_bench.py."""
+"""`nanoqwen bench`: the subcommand's wiring; the benchmark itself lives in bench/decode_bench.py.
+
+On a machine without CuPy or a GPU it stops before any work: `nanoqwen: error: bench needs the cuda
+backend: ...`, exit status 2."""
 
 from __future__ import annotations
 
 
 def _run(args) -> int:
+    from kernels import BackendUnavailableError, cuda_available
+
+    ok, why = cuda_available()
+    if not ok:  # one line and exit 2 (ladder/cli.py), not a traceback from deep inside the benchmark
+        raise BackendUnavailableError(f"bench needs the cuda backend: {why}")
     from bench import decode_bench
 
     return decode_bench.main(args)

@@ -8,22 +8,30 @@
     nanoqwen bisect --good REV [--bad REV] [--backend B] [--repo PATH] [-- PYTEST ARGS, default -m unit]
     nanoqwen descend [--model FILE|HF_DIR] [--prompt TEXT | --prompt-ids 1,2,3] [--plant-fault NAME[@LAYER]]
 
-Errors about the user's input (a malformed model file, a token id out of range, a prompt longer than
-the cache, a backend this machine cannot run) are one line on stderr and exit status 2, never a
-traceback.
+Errors about the user's input (a malformed model file or checkpoint, an output path that cannot be
+written, a bad argument, a token id out of range, a prompt longer than the cache, a backend this
+machine cannot run) are one line on stderr, `nanoqwen: error: ...`, and exit status 2, never a
+traceback; an error under a progress bar starts on a fresh line. A reader that closes the pipe early
+(`nanoqwen inspect F | head`) ends the command quietly with status 141; Ctrl-C is status 130.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
 import time
-from pathlib import Path
+
+from engine.errors import NanoqwenError
 
 
-def _progress(label: str):
-    """A one-line progress bar on stderr (tensor i of n)."""
+_bar = {"open": False}  # whether a progress bar's line on stderr is still unfinished
+
+
+def progress_bar(label: str):
+    """A one-line progress bar on stderr (tensor i of n); `end_progress_line` finishes an open one."""
     start = time.perf_counter()
 
     def show(i: int, n: int, name: str) -> None:
@@ -31,11 +39,85 @@ def _progress(label: str):
         done = int(width * i / n)
         sys.stderr.write(f"\r{label} [{'#' * done}{'.' * (width - done)}] {i}/{n} "
                          f"{time.perf_counter() - start:5.1f}s {name[-48:]:<48}")
+        _bar["open"] = i < n
         if i == n:
             sys.stderr.write("\n")
         sys.stderr.flush()
 
     return show
+
+
+def end_progress_line() -> None:
+    """Start a fresh stderr line if a progress bar left one unfinished (before an error message)."""
+    if _bar["open"]:
+        _bar["open"] = False
+        sys.stderr.write("\n")
+
+
+# --- argument types: a bad value is one line and exit 2, before any work ---------------------------
+
+INT32_MAX = 2**31 - 1
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0 (a token count)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
+    return value
+
+
+def token_ids_arg(text: str) -> str:
+    """argparse type for `--prompt-ids 1,2,3`: comma-separated token ids, each an integer in
+    [0, 2**31); returned as the same list, normalized ("1,2,3"). Ids past the model's vocabulary are
+    the engine's TokenIdError, once the model is known."""
+    parts = [s.strip() for s in text.split(",")]
+    if not any(parts):
+        raise argparse.ArgumentTypeError("expected comma-separated token ids (e.g. 1,2,3), got none")
+    ids = []
+    for s in parts:
+        if not s:
+            raise argparse.ArgumentTypeError(f"an empty item in {text!r}; expected comma-separated token ids")
+        try:
+            value = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{s[:40]!r} is not an integer; expected comma-separated token ids") from None
+        if not 0 <= value <= INT32_MAX:
+            raise argparse.ArgumentTypeError(f"token id {s[:40]} is out of range; token ids are integers in [0, {INT32_MAX}]")
+        ids.append(value)
+    return ",".join(map(str, ids))
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error as one line: `nanoqwen: error: ...` and exit status 2."""
+
+    def error(self, message):
+        end_progress_line()
+        self.exit(2, f"nanoqwen: error: {self.prog.removeprefix('nanoqwen ')}: {message} (see {self.prog} --help)\n"
+                  if self.prog != "nanoqwen" else f"nanoqwen: error: {message} (see nanoqwen --help)\n")
+
+
+_NEGATIVE_VALUE_OPTIONS = ("--prompt-ids",)
+
+
+def _attach_negative_values(argv: list[str]) -> list[str]:
+    """`--prompt-ids -1,2` as `--prompt-ids=-1,2`, so its value reaches the check that names the
+    problem (argparse would take `-1,2` for an option and say the value is missing)."""
+    out, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--":
+            return out + argv[i:]
+        if a in _NEGATIVE_VALUE_OPTIONS and i + 1 < len(argv) and re.match(r"-\d", argv[i + 1]):
+            out.append(f"{a}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(a)
+        i += 1
+    return out
 
 
 def cmd_generate(args) -> int:
@@ -67,7 +149,7 @@ def cmd_generate(args) -> int:
 def cmd_convert(args) -> int:
     from engine.convert import convert
 
-    config = convert(args.hf_dir, args.out, quant=args.quant, progress=_progress("convert"))
+    config = convert(args.hf_dir, args.out, quant=args.quant, progress=progress_bar("convert"))
     print(f"wrote {args.out}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
           f"vocab {config.vocab_size}, {args.quant}")
     return 0
@@ -90,7 +172,7 @@ def cmd_inspect(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="nanoqwen", description=__doc__.split("\n\n")[0])
+    p = _Parser(prog="nanoqwen", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
 
     from ladder.runner import register as register_ladder
@@ -100,8 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", help=".nanoqwen file (default: the embedded default model)")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs the model's tokenizer)")
-    src.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 1,2,3")
-    g.add_argument("--max-new-tokens", type=int, default=32)
+    src.add_argument("--prompt-ids", type=token_ids_arg, help="comma-separated token ids, e.g. 1,2,3")
+    g.add_argument("--max-new-tokens", type=non_negative_int, default=32)
     g.add_argument("--backend", default="numpy", choices=["numpy", "cuda"])
     g.add_argument("--no-stop", action="store_true", help="do not stop at the end-of-text token")
     g.set_defaults(func=cmd_generate)
@@ -127,18 +209,37 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from engine.errors import NanoqwenError
     from kernels import BackendUnavailableError, FormatNotSupportedError
 
-    args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        args = build_parser().parse_args(_attach_negative_values(sys.argv[1:] if argv is None else list(argv)))
+    except SystemExit as e:  # --help (0), or a usage error already printed as one line (2)
+        return e.code if isinstance(e.code, int) else 2
+    try:
+        code = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows here, not as a traceback at exit
+        return code
     except (NanoqwenError, BackendUnavailableError, FormatNotSupportedError) as e:
-        print(f"nanoqwen: error: {e}", file=sys.stderr)
-        return 2
+        return _fail(str(e))
+    except SystemExit as e:
+        if isinstance(e.code, str):  # `raise SystemExit("nanoqwen: error: ...")`: an input error
+            return _fail(e.code.removeprefix("nanoqwen: error: "))
+        raise
+    except BrokenPipeError:  # `nanoqwen inspect F | head`: the reader left; stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as a shell reports a process a closed pipe ended
     except KeyboardInterrupt:
+        end_progress_line()
         print("nanoqwen: interrupted", file=sys.stderr)
         return 130
+    except OSError as e:  # a file or folder named on the command line that cannot be read or written
+        return _fail(f"{e.filename + ': ' if e.filename else ''}{e.strerror or e}")
+
+
+def _fail(message: str) -> int:
+    end_progress_line()
+    print("nanoqwen: error: " + " ".join(message.split()), file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -152,10 +152,12 @@ def op_checks(calls, config: Qwen2Config, w: dict, layer: int) -> list[Check]:
 
 
 def descend(model_path, ids, backend_name: str = "numpy", decode_steps: int | None = None,
-            plant_fault: str | None = None, progress=print) -> dict:
+            plant_fault: str | None = None, progress=None) -> dict:
     from kernels import get_backend
     from reference.hf import hf_layer_states, hf_model
 
+    progress = progress or _say
+    progress(f"descend: reading {model_path} and dequantizing its weights")
     mf = ModelFile(model_path)
     config = Qwen2Config.from_hf_dict(mf.config_dict)
     hf_cfg, weights = dequantized_weights(model_path)
@@ -171,7 +173,9 @@ def descend(model_path, ids, backend_name: str = "numpy", decode_steps: int | No
 
     progress(f"descend: {Path(model_path).name}, prompt of {T} tokens (prefill {T - steps}, then {steps} decode "
              f"steps), backend {backend_name}" + (f", planted fault {plant_fault}" if plant_fault else ""))
+    progress("descend: running the HF simulation (transformers, float32) to record every layer's input and output")
     states = hf_layer_states(hf_model(hf_cfg, weights), ids)
+    progress(f"descend: {len(states)} layers, each on the simulation's input to it")
     layers, ops_by_layer, first = [], [], None
     for layer, (x_in, ref_out) in enumerate(states):
         case = LayerCase(layer, T - steps, steps, seed=0)
@@ -197,6 +201,10 @@ def descend(model_path, ids, backend_name: str = "numpy", decode_steps: int | No
             "plant_fault": plant_fault, "layers": [c.as_dict() for c in layers], "first_layer": first,
             "layer_diverged": bool(first is not None and layers[first].diverged),
             "ops": [c.as_dict() for c in ops], "first_op": first_op.name if first_op else None}
+
+
+def _say(message: str) -> None:
+    print(message, flush=True)  # each phase as it starts, also when stdout is a pipe or a file
 
 
 def print_report(result: dict) -> None:
@@ -266,15 +274,17 @@ DEFAULT_PROMPT = ("def fibonacci(n):\n    if n < 2:\n        return n\n    a, b 
 
 
 def register(subparsers) -> None:
+    from ladder.cli import non_negative_int, token_ids_arg
+
     d = subparsers.add_parser("descend", help="walk down to the first layer, then the first op, where the engine "
                                               "leaves the HF simulation")
     d.add_argument("--model", help=".nanoqwen file or Hugging Face folder (default: the embedded default model)")
     src = d.add_mutually_exclusive_group()
     src.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text (default: a short Python function)")
-    src.add_argument("--prompt-ids", help="comma-separated token ids")
+    src.add_argument("--prompt-ids", type=token_ids_arg, help="comma-separated token ids")
     d.add_argument("--backend", default="numpy", choices=["numpy", "cuda"])
-    d.add_argument("--decode-steps", type=int, help="how many of the last prompt tokens run as decode steps "
-                                                     "(default 17: across a page edge)")
+    d.add_argument("--decode-steps", type=non_negative_int,
+                   help="how many of the last prompt tokens run as decode steps (default 17: across a page edge)")
     d.add_argument("--plant-fault", help="plant a fault from ladder/faults.py first (to see the descent find it)")
     d.add_argument("--out", default="reports/descend", help="folder for descend.json and descend.png")
     d.set_defaults(func=cmd_descend)

@@ -4,15 +4,19 @@ default), and the prompt a command gives it (token ids, or text through the mode
 from __future__ import annotations
 
 import hashlib
-import os
-import tempfile
+import sys
 from pathlib import Path
 
 from fixtures.tiny_model import cache_root
 
 
-def resolve_model(spec: str | None, quant: str = "int4_sym_g128") -> Path:
-    """A .nanoqwen path for `spec`: None -> the default model; a folder -> its cached conversion."""
+def resolve_model(spec: str | None, quant: str = "int4_sym_g128", progress=True) -> Path:
+    """A .nanoqwen path for `spec`: None -> the default model; a folder -> its cached conversion.
+
+    A folder is converted once into the cache, with a progress bar on stderr (`progress=False` for
+    none, or a callable `progress(i, n, name)`). The conversion writes through a temporary file that
+    an interrupted run removes, and temporary files a killed run left in the cache are removed on the
+    cache's next use (engine/outpath.py)."""
     if spec is None:
         from fixtures.default_model import default_model_file
 
@@ -20,23 +24,32 @@ def resolve_model(spec: str | None, quant: str = "int4_sym_g128") -> Path:
     path = Path(spec)
     if not path.is_dir():
         return path
-    from engine.convert import convert
+    from engine.convert import CheckpointError, convert
+    from engine.errors import OutputPathError
+    from engine.outpath import remove_stale_temp_files
 
     h = hashlib.sha256()
-    for f in sorted(path.glob("*.json")) + sorted(path.glob("*.safetensors")):
-        st = f.stat()
-        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    out = cache_root() / "converted" / f"{path.name}-{quant}-{h.hexdigest()[:12]}.nanoqwen"
+    try:
+        for f in sorted(path.glob("*.json")) + sorted(path.glob("*.safetensors")):
+            st = f.stat()
+            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read the folder ({e.strerror or e})") from None
+    folder = cache_root() / "converted"
+    out = folder / f"{path.resolve().name}-{quant}-{h.hexdigest()[:12]}.nanoqwen"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputPathError(folder, f"cannot create the cache folder ({e.strerror or e}); NANOQWEN_CACHE moves it") from None
+    remove_stale_temp_files(folder)
     if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".nanoqwen")
-        os.close(fd)
-        try:
-            convert(path, tmp, quant)
-            os.replace(tmp, out)  # atomic: parallel workers converting the same folder both succeed
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        if progress is True:
+            from ladder.cli import progress_bar
+
+            sys.stderr.write(f"nanoqwen: converting {path} once, into {out}\n")
+            progress = progress_bar("convert")
+        # Atomic (a temporary file, then a rename): parallel workers converting the same folder both succeed.
+        convert(path, out, quant, progress=progress or None)
     return out
 
 
