@@ -1,23 +1,38 @@
-"""Unit rung: Hugging Face checkpoints convert, inspect and generate; bad folders are refused clearly."""
+"""Unit rung: Hugging Face checkpoints convert, inspect and generate; bad folders are refused clearly.
+
+Refused before any work: an output path that cannot be written, an input that cannot be read, and a
+checkpoint whose config values or safetensors entries or index have the wrong type (a typed error
+naming the file and the key, and no tensor read). No litter: a conversion stopped by SIGTERM or Ctrl-C
+removes its temporary file; one killed by SIGKILL leaves it until the next conversion into the folder.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import engine
 from engine.config import SHAPES
-from engine.convert import CheckpointError, convert
-from engine.errors import ConfigError
+from engine.convert import CheckpointError, SafetensorsFolder, convert
+from engine.errors import ConfigError, NanoqwenError, OutputPathError
 from engine.formats import get_format
 from engine.modelfile import ModelFile
 from fixtures.tiny_model import build_random_model, random_model_dir
 from ladder.cli import main as cli_main
 
 SMALL = SHAPES["tiny"].replace(num_hidden_layers=2)
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -113,3 +128,378 @@ def test_seeded_model_logits_are_not_flat():
             margins.append(top2[1] - top2[0])
         seq.free()
     assert np.median(margins) > 10 * NEAR_TIE_EPS, f"median top-1 margin {np.median(margins):.3f}"
+
+
+# --- refused before any work: output paths and inputs ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_dir(tmp_path_factory):
+    """The two-layer seeded checkpoint (fp16, no tokenizer), built once for this module."""
+    return build_random_model(tmp_path_factory.mktemp("hf_small"), SMALL, seed=3, with_tokenizer=False)
+
+
+@pytest.fixture
+def checkpoint(small_dir, tmp_path):
+    """A private copy of the small checkpoint, free to corrupt."""
+    return Path(shutil.copytree(small_dir, tmp_path / "hf"))
+
+
+@pytest.fixture
+def reads(monkeypatch):
+    """The names of the tensors the converter reads (so a test can say: none)."""
+    seen = []
+    read = SafetensorsFolder.read
+
+    def counted(self, name):
+        seen.append(name)
+        return read(self, name)
+
+    monkeypatch.setattr(SafetensorsFolder, "read", counted)
+    return seen
+
+
+def temp_files(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if ".nanoqwen-tmp-" in p.name or ".tmp-" in p.name)
+
+
+@pytest.mark.parametrize("out,problem", [
+    ("{tmp}", "is a folder"),
+    ("{tmp}/missing/m.nanoqwen", "does not exist"),
+    ("{tmp}/a_file/m.nanoqwen", "is not a folder"),
+])
+def test_an_unwritable_output_path_is_refused_before_any_tensor_is_read(small_dir, tmp_path, reads, out, problem):
+    (tmp_path / "a_file").write_text("not a folder")
+    with pytest.raises(OutputPathError, match=problem):
+        convert(small_dir, out.format(tmp=tmp_path))
+    assert reads == [] and temp_files(tmp_path) == []
+
+
+def test_a_read_only_folder_is_refused_before_any_tensor_is_read(small_dir, tmp_path, reads):
+    if os.geteuid() == 0:
+        pytest.skip("running as root: permission bits do not stop root, so a read-only folder cannot be made")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        with pytest.raises(OutputPathError, match="not writable"):
+            convert(small_dir, ro / "m.nanoqwen")
+    finally:
+        ro.chmod(0o755)
+    assert reads == [] and list(ro.iterdir()) == []
+
+
+def test_a_folder_that_refuses_new_files_is_refused_before_any_tensor_is_read(small_dir, reads):
+    """/proc passes the permission check (even for root) but creates no file: the temporary file,
+    created before the first tensor is read, is the probe."""
+    if not Path("/proc/self").is_dir():
+        pytest.skip("needs Linux /proc, a folder in which no file can be created")
+    with pytest.raises(OutputPathError, match="cannot create a file"):
+        convert(small_dir, "/proc/m.nanoqwen")
+    assert reads == []
+
+
+@pytest.mark.parametrize("make,problem", [
+    (lambda d: shutil.rmtree(d), "no such folder"),
+    (lambda d: (shutil.rmtree(d), d.write_text("x")), "not a folder"),
+    (lambda d: ((d / "config.json").unlink(), (d / "config.json").mkdir()), "config.json: cannot read"),
+    (lambda d: ((d / "model.safetensors").unlink(), (d / "model.safetensors").mkdir()), "model.safetensors: cannot read"),
+    (lambda d: (d / "tokenizer.json").mkdir(), "tokenizer.json: cannot read"),
+])
+def test_an_unreadable_input_is_refused_before_any_tensor_is_read(checkpoint, tmp_path, reads, make, problem):
+    """(As root, permission bits cannot make a file unreadable; a folder where a file belongs can.)"""
+    make(checkpoint)
+    with pytest.raises(CheckpointError, match=problem):
+        convert(checkpoint, tmp_path / "m.nanoqwen")
+    assert reads == [] and not (tmp_path / "m.nanoqwen").exists() and temp_files(tmp_path) == []
+
+
+def test_convert_command_refuses_an_output_folder_in_one_line(small_dir, tmp_path, capsys):
+    assert cli_main(["convert", str(small_dir), str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("nanoqwen: error:") and "is a folder" in err
+
+
+# --- checkpoints with values of the wrong type: typed errors naming the file and the key ---------
+
+
+def edit_config(folder: Path, **changes) -> None:
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(changes)
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("key,value", [
+    ("max_position_embeddings", "abc"), ("max_position_embeddings", -5), ("max_position_embeddings", 1.5),
+    ("max_position_embeddings", None), ("max_position_embeddings", True),
+    ("rope_parameters", "default"), ("rope_parameters", [10000.0]), ("rope_parameters", {"rope_theta": "1e4"}),
+    ("rope_parameters", {"rope_theta": 10000.0, "rope_type": 3}),
+    ("eos_token_id", "2"), ("eos_token_id", ["a", "b"]), ("eos_token_id", [1, "b"]), ("eos_token_id", -1),
+    ("eos_token_id", 10**9), ("bos_token_id", 1.0),
+    ("hidden_size", "256"), ("vocab_size", 0), ("num_hidden_layers", 2.0), ("num_key_value_heads", -2),
+    ("rms_norm_eps", "1e-6"), ("rms_norm_eps", -1e-6), ("rope_theta", "1e4"), ("rope_theta", 0),
+    ("tie_word_embeddings", "false"), ("head_dim", "64"), ("architectures", "Qwen2ForCausalLM"),
+    ("hidden_act", 7), ("layer_types", "full_attention"),
+])
+def test_a_config_value_of_the_wrong_type_or_sign_is_refused_by_key(checkpoint, tmp_path, reads, key, value):
+    edit_config(checkpoint, **{key: value})
+    with pytest.raises(NanoqwenError) as e:
+        convert(checkpoint, tmp_path / "m.nanoqwen")
+    assert isinstance(e.value, (CheckpointError, ConfigError))
+    assert "config.json" in str(e.value) and key in str(e.value) and "\n" not in str(e.value)
+    assert reads == [] and not (tmp_path / "m.nanoqwen").exists()
+
+
+@pytest.mark.parametrize("text,problem", [("[1, 2]", "not an object"), ("{", "not JSON"), ("{}", "is missing")])
+def test_a_config_json_that_is_not_a_config_is_refused(checkpoint, tmp_path, text, problem):
+    (checkpoint / "config.json").write_text(text)
+    with pytest.raises(NanoqwenError, match=problem):
+        convert(checkpoint, tmp_path / "m.nanoqwen")
+
+
+def rewrite_header(path: Path, mutate) -> None:
+    """Replace a safetensors file's JSON header by `mutate(header)`'s edit of it; the data stays."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8: 8 + n])
+    replaced = mutate(header)  # an edit in place, or (returned) a whole new header
+    header = header if replaced is None else replaced
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+
+
+EMBED, NORM = "model.embed_tokens.weight", "model.norm.weight"
+
+
+def _set(name, field, value):
+    def mutate(h):
+        h[name][field] = value
+    return mutate
+
+
+def _drop(name, field):
+    def mutate(h):
+        del h[name][field]
+    return mutate
+
+
+@pytest.mark.parametrize("mutate,problem", [
+    (_drop(EMBED, "dtype"), "has no 'dtype'"),
+    (_drop(EMBED, "shape"), "has no 'shape'"),
+    (_drop(EMBED, "data_offsets"), "has no 'data_offsets'"),
+    (_set(EMBED, "dtype", 16), "'dtype' is 16"),
+    (_set(EMBED, "shape", "512,256"), "'shape' is"),
+    (_set(EMBED, "shape", [-512, -256]), "'shape' is"),
+    (_set(EMBED, "shape", [512.0, 256]), "'shape' is"),
+    (_set(EMBED, "data_offsets", [0]), "'data_offsets' is"),
+    (_set(EMBED, "data_offsets", ["0", "10"]), "'data_offsets' is"),
+    (_set(EMBED, "data_offsets", [10, 2]), "'data_offsets' is"),
+    (_set(EMBED, "data_offsets", [0, 10**12]), "run past the end"),
+    (_set(EMBED, "shape", [512, 255]), "needs"),
+    (_set(EMBED, "dtype", "F32"), "needs"),
+    (_set(NORM, "dtype", "I16"), "has dtype I16"),
+    (_set(NORM, "dtype", "Q4"), "has dtype Q4"),
+    (lambda h: h.__setitem__(NORM, [1, 2]), "not an object"),
+    (lambda h: h.__setitem__("model.norm.weight.renamed", h.pop(NORM)), "model.norm.weight is missing"),
+    (lambda h: [1, 2], "not an object"),
+])
+def test_a_safetensors_entry_of_the_wrong_type_is_refused_naming_file_and_key(checkpoint, tmp_path, reads, mutate,
+                                                                           problem):
+    rewrite_header(checkpoint / "model.safetensors", mutate)
+    with pytest.raises(CheckpointError, match=problem) as e:
+        convert(checkpoint, tmp_path / "m.nanoqwen")
+    assert "model.safetensors" in str(e.value) or "missing" in problem
+    assert reads == [] and not (tmp_path / "m.nanoqwen").exists() and temp_files(tmp_path) == []
+
+
+@pytest.mark.parametrize("corrupt,problem", [
+    (lambda raw: raw[:4], "truncated"),
+    (lambda raw: struct.pack("<Q", len(raw)) + raw[8:], "runs past the end"),
+    (lambda raw: raw[:8] + b"!" + raw[9:], "not JSON"),
+    (lambda raw: raw[: len(raw) - 100], "run past the end"),
+])
+def test_a_damaged_safetensors_file_is_refused(checkpoint, tmp_path, reads, corrupt, problem):
+    path = checkpoint / "model.safetensors"
+    path.write_bytes(corrupt(path.read_bytes()))
+    with pytest.raises(CheckpointError, match=problem):
+        convert(checkpoint, tmp_path / "m.nanoqwen")
+    assert reads == []
+
+
+def shard(folder: Path) -> dict:
+    """Split the folder's model.safetensors into two shards and an index; returns the index."""
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(str(folder / "model.safetensors"))
+    (folder / "model.safetensors").unlink()
+    names = sorted(tensors)
+    weight_map = {}
+    for i, part in enumerate((names[::2], names[1::2])):
+        file = f"model-0000{i + 1}-of-00002.safetensors"
+        save_file({n: tensors[n] for n in part}, str(folder / file))
+        weight_map.update({n: file for n in part})
+    index = {"metadata": {}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return index
+
+
+@pytest.mark.parametrize("edit,problem", [
+    (lambda idx, d: idx.pop("weight_map"), "no 'weight_map'"),
+    (lambda idx, d: idx.__setitem__("weight_map", ["a.safetensors"]), "no 'weight_map'"),
+    (lambda idx, d: idx["weight_map"].__setitem__(NORM, "model-00003-of-00002.safetensors"), "not in the folder"),
+    (lambda idx, d: idx["weight_map"].__setitem__(NORM, "../model.safetensors"), "not a file name"),
+    (lambda idx, d: idx["weight_map"].__setitem__(NORM, 1), "not a file name"),
+    (lambda idx, d: idx["weight_map"].__setitem__(NORM, "model-00001-of-00002.safetensors"
+                                                  if idx["weight_map"][NORM].startswith("model-00002")
+                                                  else "model-00002-of-00002.safetensors"), "holds no such tensor"),
+    (lambda idx, d: (d / "model-00001-of-00002.safetensors").unlink(), "not in the folder"),
+])
+def test_a_sharded_checkpoint_with_a_bad_index_is_refused(checkpoint, tmp_path, reads, edit, problem):
+    index = shard(checkpoint)
+    convert(checkpoint, tmp_path / "ok.nanoqwen")  # the sharded copy itself converts
+    reads.clear()
+    edit(index, checkpoint)
+    (checkpoint / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=problem) as e:
+        convert(checkpoint, tmp_path / "m.nanoqwen")
+    assert "model.safetensors.index.json" in str(e.value) and reads == []
+
+
+def test_a_tensor_in_two_shards_is_refused(checkpoint, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    index = shard(checkpoint)
+    first = checkpoint / "model-00001-of-00002.safetensors"
+    other = index["weight_map"][NORM]
+    extra = load_file(str(first))
+    extra[NORM] = load_file(str(checkpoint / other))[NORM]
+    if other != first.name:
+        save_file(extra, str(first))
+    else:  # the norm lives in the first shard: put a copy in the second
+        second = checkpoint / "model-00002-of-00002.safetensors"
+        save_file({**load_file(str(second)), NORM: extra[NORM]}, str(second))
+    with pytest.raises(CheckpointError, match="is also in"):
+        convert(checkpoint, tmp_path / "m.nanoqwen")
+
+
+def test_random_damage_to_a_safetensors_header_converts_or_is_a_typed_error(small_dir, tmp_path):
+    """Forty seeded mutants (bytes of the header flipped, dropped or duplicated): each one converts,
+    or is refused with a one-line NanoqwenError, and leaves no temporary file."""
+    raw = (small_dir / "model.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    outcomes = []
+    for case in range(40):
+        rng = np.random.default_rng(case)
+        header = bytearray(raw[8: 8 + n])
+        for _ in range(int(rng.integers(1, 4))):
+            i = int(rng.integers(0, len(header)))
+            kind = int(rng.integers(0, 3))
+            if kind == 0:
+                header[i] = int(rng.choice(list(b'0123456789"{}[],:-.eE ')))
+            elif kind == 1:
+                del header[i: i + int(rng.integers(1, 8))]
+            else:
+                header[i:i] = header[i: i + int(rng.integers(1, 8))]
+        folder = tmp_path / f"case{case}"
+        shutil.copytree(small_dir, folder)
+        (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + bytes(header) + raw[8 + n:])
+        try:
+            convert(folder, tmp_path / f"case{case}.nanoqwen")
+            outcomes.append("converted")
+        except NanoqwenError as e:
+            assert "\n" not in str(e), f"case {case}: {e}"
+            outcomes.append(type(e).__name__)
+        assert temp_files(tmp_path) == [], f"case {case}"
+    assert outcomes.count("CheckpointError") >= 30, outcomes  # the mutants mostly break the header
+
+
+# --- no litter: interrupted and killed conversions ------------------------------------------------
+
+# A conversion in a fresh interpreter, each tensor read slowed by 50 ms so that a signal sent once the
+# temporary file exists lands in the middle of the write on any machine.
+SLOW_MAIN = ("import sys, time; import engine.convert as c; read = c.SafetensorsFolder.read; "
+             "c.SafetensorsFolder.read = lambda self, n: (time.sleep(0.05), read(self, n))[1]; "
+             "from ladder.cli import main; sys.exit(main(sys.argv[1:]))")
+
+
+def start_slow(args: list[str], env_extra: dict | None = None) -> subprocess.Popen:
+    env = {**os.environ, **(env_extra or {})}
+    return subprocess.Popen([sys.executable, "-c", SLOW_MAIN, *args], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def wait_for_temp_file(proc: subprocess.Popen, folder: Path, timeout: float = 60.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if folder.is_dir() and temp_files(folder):
+            return temp_files(folder)[0]
+        assert proc.poll() is None, f"the conversion ended before writing: {proc.stderr.read().decode()}"
+        time.sleep(0.005)
+    proc.kill()
+    raise AssertionError("no temporary file appeared")
+
+
+@pytest.mark.parametrize("sig,status", [(signal.SIGTERM, 128 + signal.SIGTERM), (signal.SIGINT, 130)])
+def test_a_terminated_conversion_removes_its_temporary_file(small_dir, tmp_path, sig, status):
+    proc = start_slow(["convert", str(small_dir), str(tmp_path / "m.nanoqwen")])
+    wait_for_temp_file(proc, tmp_path)
+    proc.send_signal(sig)
+    assert proc.wait(timeout=60) == status, proc.stderr.read().decode()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_killed_conversions_temporary_file_is_removed_by_the_next_conversion(small_dir, tmp_path):
+    proc = start_slow(["convert", str(small_dir), str(tmp_path / "m.nanoqwen")])
+    left = wait_for_temp_file(proc, tmp_path)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=60) == -signal.SIGKILL
+    assert temp_files(tmp_path) == [left]  # SIGKILL cannot be caught: the file stays, for now
+    assert cli_main(["convert", str(small_dir), str(tmp_path / "other.nanoqwen")]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other.nanoqwen"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_generate_stopped_while_converting_leaves_nothing_in_the_cache(small_dir, tmp_path, monkeypatch, sig):
+    from ladder.models import resolve_model
+
+    cache = tmp_path / "cache"
+    proc = start_slow(["generate", "--model", str(small_dir), "--prompt-ids", "1,2"], {"NANOQWEN_CACHE": str(cache)})
+    wait_for_temp_file(proc, cache / "converted")
+    proc.send_signal(sig)
+    assert proc.wait(timeout=60) == (128 + sig if sig == signal.SIGTERM else -sig)
+    monkeypatch.setenv("NANOQWEN_CACHE", str(cache))
+    out = resolve_model(str(small_dir), progress=False)  # the cache's next use
+    assert [p.name for p in (cache / "converted").iterdir()] == [out.name]
+    ModelFile(out)
+
+
+# --- the temporary-file rules themselves ----------------------------------------------------------
+
+
+def test_only_temporary_files_of_dead_writers_on_this_host_are_swept(tmp_path):
+    from engine.outpath import remove_stale_temp_files, temp_path
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid, host = int(dead.stdout), socket.gethostname()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        names = {f".a.nanoqwen.nanoqwen-tmp-{dead_pid}@{host}": False,  # a killed writer here: swept
+                 f"b.nanoqwen.tmp-{dead_pid}": False,                     # an earlier writer's name: swept
+                 f".c.nanoqwen.nanoqwen-tmp-{live.pid}@{host}": True,    # a live writer: kept
+                 f".d.nanoqwen.nanoqwen-tmp-{dead_pid}@elsewhere": True,  # another host's writer: kept
+                 temp_path(tmp_path / "e.nanoqwen").name: True,           # this process: kept
+                 f"notes.tmp-{dead_pid}": True, "f.nanoqwen": True}       # not ours: kept
+        for name in names:
+            (tmp_path / name).write_bytes(b"x")
+        remove_stale_temp_files(tmp_path)
+        assert {p.name for p in tmp_path.iterdir()} == {n for n, kept in names.items() if kept}
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_sigterm_raises_only_while_writing_and_its_handler_is_restored(small_dir, tmp_path):
+    seen = []
+    convert(small_dir, tmp_path / "m.nanoqwen", progress=lambda i, n, name: seen.append(signal.getsignal(signal.SIGTERM)))
+    assert seen and all(h not in (signal.SIG_DFL, None) for h in seen)
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL

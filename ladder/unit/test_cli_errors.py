@@ -1,0 +1,188 @@
+"""Unit rung: the command line's edges. Every input error, whatever the subcommand, is exactly one line
+on stderr, `nanoqwen: error: ...` naming the problem, and exit status 2; never a traceback.
+
+Also: an error under a progress bar starts on a fresh line; a conversion done on the way (`generate`,
+`ladder` or `descend` on a Hugging Face folder) shows its progress on stderr; `descend` says each phase
+before it starts; a reader that closes the pipe early (`nanoqwen inspect F | head`) ends the command
+quietly. Most cases run in-process through `ladder.cli.main`; a few run the installed `nanoqwen` from a
+temporary folder, as a user does (skipped, with the reason, where it is not installed).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from engine.config import SHAPES
+from engine.convert import CheckpointError, SafetensorsFolder, convert
+from fixtures.tiny_model import build_random_model, random_model_dir, random_model_file
+from kernels import cuda_available
+from ladder.cli import main as cli_main
+
+SMALL = SHAPES["tiny"].replace(num_hidden_layers=2)
+HAS_CUDA = cuda_available()[0]
+EXE = shutil.which("nanoqwen")
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    """A scratch folder with: hf/ (a seeded HF checkpoint without a tokenizer), notok.nanoqwen (its
+    conversion), a_file (a plain file)."""
+    root = tmp_path_factory.mktemp("cli")
+    hf = build_random_model(root / "hf", SMALL, seed=5, with_tokenizer=False)
+    convert(hf, root / "notok.nanoqwen")
+    (root / "a_file").write_text("not a model")
+    return root
+
+
+def one_error_line(capsys) -> str:
+    """The single stderr line of a refused command (asserting there is exactly one, in the house form)."""
+    err = capsys.readouterr().err
+    assert err.endswith("\n") and err.count("\n") == 1, repr(err[-3000:])
+    assert err.startswith("nanoqwen: error: ") and "Traceback" not in err, err
+    return err
+
+
+CASES = [
+    (["generate", "--prompt-ids", "1,2", "--max-new-tokens", "-1"], "--max-new-tokens"),
+    (["generate", "--prompt-ids", "1,2", "--max-new-tokens", "many"], "--max-new-tokens"),
+    (["generate", "--prompt-ids", "-1,2"], "token id -1"),
+    (["generate", "--prompt-ids", "-1"], "token id -1"),
+    (["generate", "--prompt-ids", "1,99999999999999999999"], "token id 99999999999999999999 is out of range"),
+    (["generate", "--prompt-ids", "1,abc"], "'abc' is not an integer"),
+    (["generate", "--prompt-ids", ""], "got none"),
+    (["generate", "--prompt-ids", "1,,2"], "an empty item"),
+    (["generate", "--prompt-ids", "1,100000"], "token id 100000"),  # past the vocab: the engine's TokenIdError
+    (["generate", "--prompt-ids", "1", "--max-new-tokens", "100000"], "longer than the cache"),
+    (["generate", "--prompt-ids", "1", "--model", "{root}/missing.nanoqwen"], "missing.nanoqwen"),
+    (["generate", "--prompt", "def f", "--model", "{root}/notok.nanoqwen"], "carries no tokenizer.json"),
+    (["generate"], "--prompt"),
+    (["inspect", "{root}/missing.nanoqwen"], "missing.nanoqwen"),
+    (["inspect", "{root}/hf"], "hf"),
+    (["convert", "{root}/hf", "{root}"], "is a folder"),
+    (["convert", "{root}/hf", "{root}/nowhere/m.nanoqwen"], "does not exist"),
+    (["convert", "{root}/hf", "{root}/a_file/m.nanoqwen"], "is not a folder"),
+    (["convert", "{root}/missing", "{root}/m.nanoqwen"], "no such folder"),
+    (["convert", "{root}/a_file", "{root}/m.nanoqwen"], "not a folder"),
+    (["convert", "{root}/hf", "{root}/m.nanoqwen", "--quant", "int3"], "int3"),
+    (["descend", "--decode-steps", "-1"], "--decode-steps"),
+    (["descend", "--prompt-ids", "-3,4"], "token id -3"),
+    (["descend", "--prompt-ids", "5"], "at least 2 tokens"),
+    (["ladder", "--rungs", "nope"], "nope"),
+    (["frobnicate"], "invalid choice"),
+    ([], "command"),
+]
+
+
+@pytest.mark.parametrize("argv,names", CASES, ids=[" ".join(a) or "(none)" for a, _ in CASES])
+def test_an_input_error_is_one_line_and_exit_status_2(paths, capsys, argv, names):
+    code = cli_main([a.format(root=paths) for a in argv])
+    err = one_error_line(capsys)
+    assert code == 2 and names in err
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="this machine has a GPU: cuda runs")
+@pytest.mark.parametrize("argv,names", [
+    (["bench"], "bench needs the cuda backend"),
+    (["generate", "--prompt-ids", "1,2", "--backend", "cuda"], "cuda"),
+])
+def test_the_cuda_backend_on_a_machine_without_it_is_one_line(capsys, argv, names):
+    assert cli_main(argv) == 2
+    assert names in one_error_line(capsys)
+
+
+def test_help_is_exit_status_0(capsys):
+    assert cli_main(["generate", "--help"]) == 0
+    assert "usage: nanoqwen generate" in capsys.readouterr().out
+
+
+def test_an_error_under_a_progress_bar_starts_on_a_fresh_line(paths, tmp_path, monkeypatch, capsys):
+    read = SafetensorsFolder.read
+    calls = []
+
+    def fails_on_the_fifth(self, name):
+        calls.append(name)
+        if len(calls) == 5:
+            raise CheckpointError(f"{self.folder}: tensor {name} could not be read (planted)")
+        return read(self, name)
+
+    monkeypatch.setattr(SafetensorsFolder, "read", fails_on_the_fifth)
+    assert cli_main(["convert", str(paths / "hf"), str(tmp_path / "m.nanoqwen")]) == 2
+    lines = capsys.readouterr().err.split("\n")
+    assert lines[-1] == "" and lines[-2].startswith("nanoqwen: error: ") and "planted" in lines[-2]
+    assert lines[-3].startswith("\rconvert [")  # the bar's own line, ended before the message
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_conversion_on_the_way_to_generate_shows_its_progress(paths, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("NANOQWEN_CACHE", str(tmp_path))
+    assert cli_main(["generate", "--model", str(paths / "hf"), "--prompt-ids", "1,2", "--max-new-tokens", "1"]) == 0
+    err = capsys.readouterr().err
+    assert f"converting {paths / 'hf'}" in err and "convert [" + "#" * 30 + "]" in err
+    assert [p.suffix for p in (tmp_path / "converted").iterdir()] == [".nanoqwen"]
+
+
+def test_descend_says_each_phase_before_it_starts():
+    """The slow phases (reading and dequantizing, the HF simulation) are announced before they run."""
+    from ladder.descend import descend
+
+    said = []
+
+    class Stop(Exception):
+        pass
+
+    def progress(message):
+        said.append(message)
+        if "HF simulation" in message:
+            raise Stop
+
+    with pytest.raises(Stop):
+        descend(random_model_file(), list(range(1, 20)), progress=progress)
+    assert "reading" in said[0] and "prompt of 19 tokens" in said[1] and "HF simulation" in said[2]
+
+
+# --- the installed command, run from a temporary folder --------------------------------------------
+
+needs_installed = pytest.mark.skipif(EXE is None, reason="nanoqwen is not installed here (pip install -e '.[test]')")
+
+
+def installed(*args, cwd):
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTEST_ADDOPTS")}
+    return subprocess.Popen([EXE, *args], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+@needs_installed
+@pytest.mark.parametrize("argv,names", [
+    (["generate", "--prompt-ids", "1,2", "--max-new-tokens", "-1"], "--max-new-tokens"),
+    (["generate", "--prompt-ids", "-1,2"], "token id -1"),
+    (["convert", "{hf}", "."], "is a folder"),
+    (["inspect", "missing.nanoqwen"], "missing.nanoqwen"),
+] + ([] if HAS_CUDA else [(["bench"], "bench needs the cuda backend")]))
+def test_the_installed_command_refuses_in_one_line(tmp_path, argv, names):
+    proc = installed(*(a.format(hf=random_model_dir()) for a in argv), cwd=tmp_path)
+    out, err = (s.decode() for s in proc.communicate(timeout=300))
+    assert proc.returncode == 2, err[-3000:]
+    assert err.count("\n") == 1 and err.startswith("nanoqwen: error: ") and names in err, err[-3000:]
+    assert list(tmp_path.iterdir()) == []
+
+
+@needs_installed
+def test_inspect_into_a_closed_pipe_ends_quietly(tmp_path):
+    """`nanoqwen inspect F | head -0`: the reader is gone before the first line; no traceback."""
+    proc = installed("inspect", str(random_model_file()), cwd=tmp_path)
+    proc.stdout.close()  # the reader leaves at once
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 141 and err == "", err[-3000:]
+
+
+@needs_installed
+def test_inspect_into_head_prints_its_first_line_and_no_traceback(tmp_path):
+    inspect = installed("inspect", str(random_model_file()), cwd=tmp_path)
+    head = subprocess.run(["head", "-1"], stdin=inspect.stdout, capture_output=True, text=True, timeout=300)
+    inspect.stdout.close()
+    err = inspect.stderr.read().decode()
+    assert inspect.wait(timeout=300) in (0, 141) and err == "", err[-3000:]
+    assert head.stdout.startswith("file:") and head.stdout.count("\n") == 1
