@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.config import Qwen2Config
-from engine.errors import ConfigError, NanoqwenError
+from engine.errors import ConfigError, NanoqwenError, OutputPathError
 from engine.formats import get_format
 from engine.modelfile import PendingTensor, write_model
 from engine.outpath import check_output_path
@@ -312,8 +312,11 @@ def convert(hf_dir, out_path, quant: str = "int4_sym_g128", progress=None) -> Qw
             for suffix, (dtype, shape) in fmt.tensor_specs(out_f, in_f).items():
                 pending.append(PendingTensor(base + suffix, dtype, shape, lambda s=suffix, p=produce: p(s)))
 
-    files = {}
     tok = hf_dir / "tokenizer.json"
+    inputs = {hf_dir / "config.json", hf_dir / INDEX, tok, *(p for p, _, _ in st.entries.values())}
+    if any(out_path.resolve() == p.resolve() for p in inputs if p.exists()):
+        raise OutputPathError(out_path, "is one of the checkpoint's own files; write the model elsewhere")
+    files = {}
     if tok.exists():
         try:
             files["tokenizer.json"] = tok.read_bytes()

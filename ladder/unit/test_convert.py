@@ -220,6 +220,13 @@ def test_convert_command_refuses_an_output_folder_in_one_line(small_dir, tmp_pat
     assert err.count("\n") == 1 and err.startswith("nanoqwen: error:") and "is a folder" in err
 
 
+def test_an_output_path_onto_the_checkpoints_own_file_is_refused(checkpoint, reads):
+    before = (checkpoint / "model.safetensors").read_bytes()
+    with pytest.raises(OutputPathError, match="checkpoint's own files"):
+        convert(checkpoint, checkpoint / "model.safetensors")
+    assert reads == [] and (checkpoint / "model.safetensors").read_bytes() == before
+
+
 # --- checkpoints with values of the wrong type: typed errors naming the file and the key ---------
 
 
@@ -503,3 +510,4 @@ def test_sigterm_raises_only_while_writing_and_its_handler_is_restored(small_dir
     convert(small_dir, tmp_path / "m.nanoqwen", progress=lambda i, n, name: seen.append(signal.getsignal(signal.SIGTERM)))
     assert seen and all(h not in (signal.SIG_DFL, None) for h in seen)
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
