@@ -2,7 +2,8 @@
 
 `check_output_path(path)` refuses, with one `OutputPathError` line, a path that cannot become a file:
 a folder, a missing parent, a parent that is a file, a parent this process may not write into.
-Writers call it before reading their first input tensor.
+Writers call it before reading their first input tensor. `check_output_folder` does the same for a
+report folder that may not exist yet.
 
 `temp_path(path)` is the writer's temporary file in the same folder, `.NAME.nanoqwen-tmp-PID@HOST`:
 hidden, unmistakably ours, and naming its writer. Inside `removing_on_termination()` a SIGTERM or
@@ -42,6 +43,19 @@ def check_output_path(path) -> Path:
     if not os.access(parent, os.W_OK | os.X_OK):
         raise OutputPathError(path, f"folder {parent} is not writable")
     return path
+
+
+def check_output_folder(folder) -> Path:
+    """`folder` as a Path, after refusing one that cannot be created or written (nothing is created)."""
+    folder = Path(folder)
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise OutputPathError(folder, f"{existing} is not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise OutputPathError(folder, f"folder {existing} is not writable")
+    return folder
 
 
 def temp_path(path) -> Path:

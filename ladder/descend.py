@@ -253,16 +253,17 @@ def plot(result: dict, path: Path) -> bool:
 
 
 def cmd_descend(args) -> int:
+    from engine.outpath import check_output_folder
     from ladder.models import prompt_ids, resolve_model
 
+    out = check_output_folder(args.out)  # refused (or made) before the descent, not after it
+    out.mkdir(parents=True, exist_ok=True)
     path = resolve_model(args.model)
     ids, _ = prompt_ids(path, None if args.prompt_ids else args.prompt, args.prompt_ids)
     if len(ids) < 2:
         raise SystemExit("nanoqwen: error: descend needs a prompt of at least 2 tokens (a prefill and a decode step)")
     result = descend(path, ids, args.backend, args.decode_steps, args.plant_fault)
     print_report(result)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "descend.json").write_text(json.dumps(result, indent=1, default=str))
     drawn = plot(result, out / "descend.png")
     print(f"wrote {out / 'descend.json'}" + (f" and {out / 'descend.png'}" if drawn else " (no matplotlib: no chart)"))
