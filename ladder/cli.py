@@ -224,6 +224,7 @@ def main(argv=None) -> int:
     except SystemExit as e:
         if isinstance(e.code, str):  # `raise SystemExit("nanoqwen: error: ...")`: an input error
             return _fail(e.code.removeprefix("nanoqwen: error: "))
+        end_progress_line()  # e.g. SIGTERM during a write (engine/outpath.py): exit 143, the line ended
         raise
     except BrokenPipeError:  # `nanoqwen inspect F | head`: the reader left; stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -233,7 +234,7 @@ def main(argv=None) -> int:
         print("nanoqwen: interrupted", file=sys.stderr)
         return 130
     except OSError as e:  # a file or folder named on the command line that cannot be read or written
-        return _fail(f"{e.filename + ': ' if e.filename else ''}{e.strerror or e}")
+        return _fail(f"{str(e.filename) + ': ' if e.filename else ''}{e.strerror or e}")
 
 
 def _fail(message: str) -> int:
