@@ -35,27 +35,51 @@ def hf_config(config: dict):
     return cfg
 
 
-def _load(module, weights: dict, prefix: str = ""):
+def _as_tensor(a):
+    """A float32 torch tensor of `a`: the same memory when `a` is already a writable C-ordered float32
+    array (no copy), else a float32 copy."""
     torch = _torch()
-    state = {k[len(prefix):]: torch.from_numpy(np.asarray(v, dtype=np.float32).copy())
-             for k, v in weights.items() if k.startswith(prefix)}
-    missing, unexpected = module.load_state_dict(state, strict=False)
+    a = np.asarray(a)
+    if a.dtype == np.float32 and a.flags.c_contiguous and a.flags.writeable:
+        return torch.from_numpy(a)
+    return torch.from_numpy(np.array(a, dtype=np.float32, order="C"))
+
+
+def _load(module, weights: dict, prefix: str = "", assign: bool = False):
+    """Put `weights` (HF names, `prefix` stripped) into `module`. With `assign` the module's parameters
+    become the given arrays' own memory (see hf_model); without, they are copied into its parameters."""
+    state = {k[len(prefix):]: _as_tensor(v) for k, v in weights.items() if k.startswith(prefix)}
+    missing, unexpected = module.load_state_dict(state, strict=False, assign=assign)
     missing = [m for m in missing if "rotary_emb" not in m and not m.endswith("lm_head.weight")]
     if missing or unexpected:
         raise ValueError(f"weights do not fit the HF module: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
 
 def hf_model(config: dict, weights: dict):
-    """Qwen2ForCausalLM in float32, eval mode, with the given (dequantized) weights."""
+    """Qwen2ForCausalLM in float32, eval mode, with the given (dequantized) weights.
+
+    One float32 copy of the weights in memory, not three: the module is built on the meta device (no
+    storage, no random init) and its parameters are the arrays of `weights` themselves wherever they
+    are writable C-ordered float32 (fixtures/dequantized.py's are), copies otherwise. The model and the
+    dict then share memory: neither may be written afterwards (nothing in the ladder writes either).
+    The rotary embedding's buffers, which are computed rather than loaded, are built on the CPU.
+    """
     torch = _torch()
     from transformers import Qwen2ForCausalLM
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 
+    cfg = hf_config(config)
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(cfg).float()
+    _load(model, weights, assign=True)
     with torch.device("cpu"):
-        model = Qwen2ForCausalLM(hf_config(config)).float().eval()
-    _load(model, weights)
+        model.model.rotary_emb = Qwen2RotaryEmbedding(config=cfg)
     if config.get("tie_word_embeddings"):
         model.tie_weights()
-    return model
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise ValueError(f"weights do not fit the HF module: no value for {left[:5]}")
+    return model.eval()
 
 
 def hf_decoder_layer(config: dict, weights: dict, layer: int):
