@@ -15,13 +15,28 @@ class NanoqwenError(Exception):
 # --- the .nanoqwen file -------------------------------------------------------------------------
 
 
+def one_line(text, limit: int = 300) -> str:
+    """`text` (or an exception's message) as one line of at most `limit` characters, for error messages."""
+    s = " ".join(str(text).split())
+    return s if len(s) <= limit else s[: limit - 3] + "..."
+
+
+def brief(value, limit: int = 80) -> str:
+    """A short repr of a value read from a file: bounded in length and depth, safe on any nesting."""
+    import reprlib
+
+    r = reprlib.Repr()
+    r.maxlevel, r.maxstring, r.maxother, r.maxlong = 3, 40, 40, 40
+    return one_line(r.repr(value), limit)
+
+
 class ModelFileError(NanoqwenError):
-    """A .nanoqwen file that cannot be trusted. The message names the file and the problem."""
+    """A .nanoqwen file that cannot be trusted. The message names the file and the problem, on one line."""
 
     def __init__(self, path, problem: str):
         self.path = str(path)
-        self.problem = problem
-        super().__init__(f"{self.path}: {problem}")
+        self.problem = one_line(problem, 500)
+        super().__init__(f"{self.path}: {self.problem}")
 
 
 class BadMagicError(ModelFileError):
@@ -62,6 +77,18 @@ class ChecksumMismatchError(ModelFileError):
 
 class MissingTensorError(ModelFileError):
     """A tensor the config requires is absent from the table."""
+
+
+class UnexpectedTensorError(ModelFileError):
+    """The table holds a tensor the config does not use (a layer past num_hidden_layers, a tied lm_head)."""
+
+
+class EmbeddedTokenizerError(ModelFileError):
+    """The embedded `tokenizer.json` is not UTF-8, or not a tokenizer the tokenizers library accepts."""
+
+
+class AllocationTooLargeError(ModelFileError):
+    """Loading would allocate more (KV cache, workspaces) than the file's size plus a fixed allowance."""
 
 
 # --- config, requests, cache --------------------------------------------------------------------

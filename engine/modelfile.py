@@ -15,8 +15,10 @@ model under the real name, and a killed writer's leftover is removed by the next
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
+import re
 import struct
 import zlib
 from dataclasses import dataclass
@@ -165,6 +167,47 @@ def _layout(tensors, files, start, placeholder):
 
 # --- reading ------------------------------------------------------------------------------------
 
+MAX_DEPTH = 32  # JSON nesting a header may have (the writer's is 4)
+MAX_RANK = 8  # dimensions of a tensor
+MAX_INT = 2**63 - 1  # offsets, lengths and dimensions are u64-safe integers
+_CHECKSUM = re.compile(r"crc32:[0-9a-f]{8}")
+_NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
+_BRACKET_STEP = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")
+
+
+def parse_header(raw: bytes):
+    """The header's JSON value, nested at most MAX_DEPTH deep; ValueError (or RecursionError) if not.
+
+    A quick count of brackets (strings included; linear, no recursion) clears an ordinary header;
+    past MAX_DEPTH, json.loads stops a deep one with RecursionError after about a thousand levels, and
+    what parses is measured exactly (iteratively), so a 100,000-deep header costs next to nothing and
+    nothing deeper than MAX_DEPTH reaches code that recurses over it (printing, comparing)."""
+    value = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
+    if _bracket_depth(raw) > MAX_DEPTH:
+        stack = [(value, 1)]
+        while stack:
+            v, depth = stack.pop()
+            if isinstance(v, (dict, list)):
+                if depth > MAX_DEPTH:
+                    raise ValueError(f"JSON nested deeper than {MAX_DEPTH} levels")
+                stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return value
+
+
+def _bracket_depth(text: bytes) -> int:
+    steps = np.frombuffer(text.translate(None, _NOT_BRACKET).translate(_BRACKET_STEP), dtype=np.int8)
+    depth, deepest = 0, 0
+    for i in range(0, len(steps), 1 << 16):  # 256 KiB of int32 at a time
+        run = np.cumsum(steps[i: i + (1 << 16)], dtype=np.int32)
+        run += depth
+        deepest = max(deepest, int(run.max()))
+        depth = int(run[-1])
+    return deepest
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a number a header may hold")
+
 
 @dataclass(frozen=True)
 class TensorEntry:
@@ -176,19 +219,31 @@ class TensorEntry:
     checksum: str
 
 
+def _is_int(v) -> bool:
+    return type(v) is int  # not bool, not float
+
+
 class ModelFile:
-    """A validated, memory-mapped .nanoqwen file. `tensor(name)` returns a read-only view of the map."""
+    """A validated, memory-mapped .nanoqwen file. `tensor(name)` returns a read-only view of the map.
+
+    Every field of the header is checked for type and range before use; the file descriptor is
+    closed once the map is made. `close()` (or a `with` block) unmaps the file when no array still
+    views it; otherwise the map goes with the last such array."""
 
     def __init__(self, path, verify_checksums: bool = True):
         self.path = Path(path)
+        self._map = None
         p = self.path
         try:
-            size = p.stat().st_size
             fh = open(p, "rb")
         except OSError as e:
             raise E.ModelFileError(p, f"cannot open ({e.strerror or e})") from None
         with fh:
-            pre = fh.read(PREAMBLE.size)
+            try:
+                size = os.fstat(fh.fileno()).st_size
+                pre = fh.read(PREAMBLE.size)
+            except OSError as e:
+                raise E.ModelFileError(p, f"cannot read ({e.strerror or e})") from None
             if len(pre) < len(MAGIC) and MAGIC.startswith(pre):
                 raise E.TruncatedFileError(p, f"file is {size} bytes, shorter than the 8-byte magic")
             if pre[:8] != MAGIC:
@@ -202,53 +257,108 @@ class ModelFile:
                 raise E.HeaderTooLargeError(p, f"header length field is {hdr_len} bytes, over the {MAX_HEADER}-byte limit")
             if PREAMBLE.size + hdr_len > size:
                 raise E.TruncatedFileError(p, f"header claims {hdr_len} bytes but only {size - PREAMBLE.size} follow the preamble")
-            raw = fh.read(hdr_len)
+            try:
+                raw = fh.read(hdr_len)
+                # The map keeps the file reachable after the descriptor is closed (leaving `with`).
+                self._map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+            except (OSError, ValueError) as e:
+                raise E.ModelFileError(p, f"cannot read or map ({getattr(e, 'strerror', None) or e})") from None
+        if len(raw) != hdr_len or len(self._map) != size:
+            self.close()
+            raise E.TruncatedFileError(p, "file changed size while being read")
         try:
-            header = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as e:
-            raise E.HeaderError(p, f"header is not valid JSON ({e})") from None
+            self._read_header(raw, size, hdr_len, verify_checksums)
+        except BaseException:
+            self.close()
+            raise
+
+    def _read_header(self, raw: bytes, size: int, hdr_len: int, verify_checksums: bool) -> None:
+        p = self.path
+        try:
+            header = parse_header(raw)
+        except RecursionError:
+            raise E.HeaderError(p, f"header nests JSON deeper than {MAX_DEPTH} levels") from None
+        except ValueError as e:  # UnicodeDecodeError is one
+            raise E.HeaderError(p, f"header is not valid JSON ({E.one_line(e, 120)})") from None
         if not isinstance(header, dict):
-            raise E.HeaderError(p, "header is not a JSON object")
-        for key, kind in (("config", dict), ("quant", str), ("tensors", list)):
+            raise E.HeaderError(p, f"header is not a JSON object (it is a {type(header).__name__})")
+        for key, kind in (("config", dict), ("quant", str), ("tensors", list), ("files", list)):
+            if key == "files" and "files" not in header:
+                continue
             if not isinstance(header.get(key), kind):
-                raise E.HeaderError(p, f"header field {key!r} is missing or not a {kind.__name__}")
+                raise E.HeaderError(p, f"header field {key!r} is missing or not a {_JSON_NAME[kind]} "
+                                       f"(got {E.brief(header.get(key))})")
+        if not _is_int(header.get("version")) or header["version"] != VERSION:
+            raise E.HeaderError(p, f"header field 'version' is {E.brief(header.get('version'))}; expected {VERSION}")
+        if header.get("format", "nanoqwen") != "nanoqwen":
+            raise E.HeaderError(p, f"header field 'format' is {E.brief(header['format'])}; expected 'nanoqwen'")
+        data_floor = PREAMBLE.size + hdr_len
+        start = header.get("data_start", data_floor)
+        if not _is_int(start) or not data_floor <= start <= size:
+            raise E.HeaderError(p, f"header field 'data_start' is {E.brief(start)}; expected an integer in "
+                                   f"[{data_floor}, {size}]")
         self.header = header
         self.quant: str = header["quant"]
         self.config_dict: dict = header["config"]
         self.size = size
-        data_floor = PREAMBLE.size + hdr_len
-        self.tensors = {e.name: e for e in (self._entry(d, data_floor, typed=True) for d in header["tensors"])}
-        if len(self.tensors) != len(header["tensors"]):
-            raise E.HeaderError(p, "tensor table names a tensor twice")
-        self.files = {e.name: e for e in (self._entry(d, data_floor, typed=False) for d in header.get("files", []))}
+        self.tensors = self._table(header["tensors"], "tensors", data_floor, typed=True)
+        self.files = self._table(header.get("files", []), "files", data_floor, typed=False)
         spans = sorted((e.offset, e.offset + e.length, e.name) for e in [*self.tensors.values(), *self.files.values()])
         for (a0, a1, an), (b0, b1, bn) in zip(spans, spans[1:]):
             if b0 < a1:
                 raise E.TensorBoundsError(p, f"tensors {an!r} and {bn!r} overlap")
-        self._map = mmap.mmap(os.open(p, os.O_RDONLY), 0, access=mmap.ACCESS_READ) if size else None
         if verify_checksums:
-            for e in [*self.tensors.values(), *self.files.values()]:
-                got = checksum(self._map[e.offset: e.offset + e.length]) if e.length else checksum(b"")
-                if got != e.checksum:
-                    raise E.ChecksumMismatchError(p, f"tensor {e.name!r}: checksum {got} does not match the header's {e.checksum}")
+            with memoryview(self._map) as view:
+                for e in [*self.tensors.values(), *self.files.values()]:
+                    got = checksum(view[e.offset: e.offset + e.length])
+                    if got != e.checksum:
+                        raise E.ChecksumMismatchError(p, f"tensor {e.name!r}: checksum {got} does not match the "
+                                                         f"header's {e.checksum}")
 
-    def _entry(self, d, data_floor: int, typed: bool) -> TensorEntry:
+    def _table(self, entries: list, key: str, data_floor: int, typed: bool) -> dict[str, TensorEntry]:
+        table: dict[str, TensorEntry] = {}
+        for i, d in enumerate(entries):
+            e = self._entry(d, f"{key}[{i}]", data_floor, typed)
+            if e.name in table:
+                raise E.HeaderError(self.path, f"header field {key!r} names {e.name!r} twice")
+            table[e.name] = e
+        return table
+
+    def _entry(self, d, where: str, data_floor: int, typed: bool) -> TensorEntry:
         p = self.path
-        try:
-            name = str(d["name"])
-            offset, length = int(d["offset"]), int(d["length"])
-            dtype = str(d["dtype"]) if typed else "uint8"
-            shape = tuple(int(s) for s in d["shape"]) if typed else (length,)
-            check = str(d["checksum"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise E.HeaderError(p, f"malformed tensor-table entry {d!r} ({type(e).__name__}: {e})") from None
-        if dtype not in DTYPES:
-            raise E.DTypeMismatchError(p, f"tensor {name!r}: unknown dtype {dtype!r}")
-        if any(s < 0 for s in shape) or offset < 0 or length < 0:
-            raise E.ShapeMismatchError(p, f"tensor {name!r}: negative shape, offset or length")
-        expect = int(np.prod(shape, dtype=object)) * np.dtype(DTYPES[dtype]).itemsize
-        if expect != length:
-            raise E.ShapeMismatchError(p, f"tensor {name!r}: shape {list(shape)} of {dtype} is {expect} bytes, table says {length}")
+        if not isinstance(d, dict):
+            raise E.HeaderError(p, f"{where} is not a JSON object (got {E.brief(d)})")
+        keys = ("name", "dtype", "shape", "offset", "length", "checksum") if typed else ("name", "offset", "length", "checksum")
+        missing = [k for k in keys if k not in d]
+        if missing:
+            raise E.HeaderError(p, f"{where} lacks {', '.join(map(repr, missing))} ({E.brief(d)})")
+        name = d["name"]
+        if not isinstance(name, str) or not name:
+            raise E.HeaderError(p, f"{where}: 'name' is {E.brief(name)}, not a non-empty string")
+        for key in ("offset", "length"):
+            if not _is_int(d[key]):
+                raise E.HeaderError(p, f"tensor {name!r}: {key!r} is {E.brief(d[key])}, not an integer")
+            if not 0 <= d[key] <= MAX_INT:
+                raise E.TensorBoundsError(p, f"tensor {name!r}: {key} {d[key]} is outside [0, 2**63)")
+        offset, length = d["offset"], d["length"]
+        if not isinstance(d["checksum"], str) or not _CHECKSUM.fullmatch(d["checksum"]):
+            raise E.HeaderError(p, f"tensor {name!r}: 'checksum' is {E.brief(d['checksum'])}, not 'crc32:' "
+                                   f"and 8 lowercase hex digits")
+        dtype, shape = "uint8", (length,)
+        if typed:
+            dtype, shape = d["dtype"], d["shape"]
+            if not isinstance(dtype, str) or dtype not in DTYPES:
+                raise E.DTypeMismatchError(p, f"tensor {name!r}: unknown dtype {E.brief(dtype)}")
+            if not isinstance(shape, list) or len(shape) > MAX_RANK or not all(_is_int(s) for s in shape):
+                raise E.HeaderError(p, f"tensor {name!r}: 'shape' is {E.brief(shape)}, not a list of at most "
+                                       f"{MAX_RANK} integers")
+            if any(not 0 <= s <= MAX_INT for s in shape):
+                raise E.ShapeMismatchError(p, f"tensor {name!r}: shape {E.brief(shape)} has a dimension outside [0, 2**63)")
+            shape = tuple(shape)
+            expect = math.prod(shape) * np.dtype(DTYPES[dtype]).itemsize
+            if expect != length:
+                raise E.ShapeMismatchError(p, f"tensor {name!r}: shape {E.brief(list(shape))} of {dtype} is "
+                                              f"{E.brief(expect)} bytes, table says {length}")
         if offset < data_floor:
             raise E.TensorBoundsError(p, f"tensor {name!r}: offset {offset} lies inside the header (data starts at {data_floor})")
         if offset % ALIGN:
@@ -256,7 +366,29 @@ class ModelFile:
         if offset + length > self.size:
             raise E.TruncatedFileError(p, f"tensor {name!r} ends at byte {offset + length}, past the end of the "
                                           f"{self.size}-byte file (truncated?)")
-        return TensorEntry(name, dtype, shape, offset, length, check)
+        return TensorEntry(name, dtype, shape, offset, length, d["checksum"])
+
+    # --- use ----------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Unmap the file, unless arrays still view it (then it is unmapped with the last of them)."""
+        m, self._map = self._map, None
+        if m is not None:
+            try:
+                m.close()
+            except BufferError:
+                pass
+
+    def __enter__(self) -> "ModelFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _mapped(self):
+        if self._map is None:
+            raise ValueError(f"{self.path}: the model file is closed")
+        return self._map
 
     def tensor(self, name: str) -> np.ndarray:
         try:
@@ -264,19 +396,26 @@ class ModelFile:
         except KeyError:
             raise E.MissingTensorError(self.path, f"tensor {name!r} is not in the file") from None
         dt = np.dtype(DTYPES[e.dtype]).newbyteorder("<")
-        return np.frombuffer(self._map, dtype=dt, count=int(np.prod(e.shape)), offset=e.offset).reshape(e.shape)
+        return np.frombuffer(self._mapped(), dtype=dt, count=e.length // dt.itemsize, offset=e.offset).reshape(e.shape)
 
-    def expect(self, name: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
-        """The tensor, after checking it has the dtype and shape the config requires."""
-        if name not in self.tensors:
+    def check(self, name: str, dtype: str, shape: tuple[int, ...]) -> None:
+        """Refuse unless the table holds `name` with this dtype and shape (nothing is read)."""
+        e = self.tensors.get(name)
+        if e is None:
             raise E.MissingTensorError(self.path, f"tensor {name!r} is required by the config but not in the file")
-        e = self.tensors[name]
         if e.dtype != dtype:
             raise E.DTypeMismatchError(self.path, f"tensor {name!r} is {e.dtype}, expected {dtype}")
         if tuple(e.shape) != tuple(shape):
             raise E.ShapeMismatchError(self.path, f"tensor {name!r} has shape {list(e.shape)}, expected {list(shape)}")
+
+    def expect(self, name: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+        """The tensor, after checking it has the dtype and shape the config requires."""
+        self.check(name, dtype, shape)
         return self.tensor(name)
 
     def file(self, name: str) -> bytes | None:
         e = self.files.get(name)
-        return None if e is None else bytes(self._map[e.offset: e.offset + e.length])
+        return None if e is None else bytes(self._mapped()[e.offset: e.offset + e.length])
+
+
+_JSON_NAME = {dict: "JSON object", str: "string", list: "list"}
