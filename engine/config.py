@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
-from engine.errors import ConfigError
+from engine.errors import ConfigError, brief
 
 GROUP_SIZE = 128  # quantization group along the input dimension; every quantized dim is a multiple
+MAX_INT = 2**31 - 1  # every dimension and token id fits an int32 (the kernels index with int32)
 PAGE_SIZE = 16  # tokens per KV page (DESIGN.md, KV cache)
 
 
@@ -54,14 +56,19 @@ class Qwen2Config:
         self.validate()
 
     def validate(self) -> None:
-        positive = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                    "num_attention_heads", "num_key_value_heads")
-        for key in positive:
-            value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"config key {key!r} must be a positive integer, got {value!r}")
+        """Refuse, by key, any value of the wrong type, sign or size, and any shape the engine cannot run."""
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
+            _check_int(key, getattr(self, key), 1)
+        for key in ("rms_norm_eps", "rope_theta"):
+            _check_positive_real(key, getattr(self, key))
+        if not isinstance(self.tie_word_embeddings, bool):
+            raise ConfigError(f"config key 'tie_word_embeddings' must be true or false, got {brief(self.tie_word_embeddings)}")
+        for key in ("bos_token_id", "eos_token_id"):
+            if getattr(self, key) is not None:
+                _check_int(key, getattr(self, key), 0)
         if self.hidden_act != "silu":
-            raise ConfigError(f"config key 'hidden_act' is {self.hidden_act!r}; only 'silu' is implemented")
+            raise ConfigError(f"config key 'hidden_act' is {brief(self.hidden_act)}; only 'silu' is implemented")
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError("config key 'hidden_size' is not a multiple of 'num_attention_heads'")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -75,53 +82,63 @@ class Qwen2Config:
         if self.q_size % GROUP_SIZE:
             raise ConfigError(f"num_attention_heads * head_dim = {self.q_size} is not a multiple of the "
                               f"quantization group size {GROUP_SIZE} (o_proj input)")
-        if not self.rope_theta > 0:
-            raise ConfigError(f"config key 'rope_theta' must be positive, got {self.rope_theta!r}")
 
     # --- Hugging Face config.json --------------------------------------------------------------
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> "Qwen2Config":
-        """Build from a parsed `config.json`, refusing, by key, anything the engine does not implement."""
+        """Build from a parsed `config.json`, refusing, by key, anything the engine does not implement
+        and any value of the wrong type or sign (nothing is converted blindly: "12", 1.0 or [] for an
+        integer, 1 for a boolean are refused)."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"the config is not a JSON object (got {brief(d)})")
+        model_type = d.get("model_type", "qwen2")
+        if model_type != "qwen2":
+            raise ConfigError(f"config key 'model_type' is {brief(model_type)}; only 'qwen2' is implemented")
         arch = d.get("architectures") or ["Qwen2ForCausalLM"]
-        if d.get("model_type", "qwen2") != "qwen2":
-            raise ConfigError(f"config key 'model_type' is {d.get('model_type')!r}; only 'qwen2' is implemented")
-        if list(arch) != ["Qwen2ForCausalLM"]:
-            raise ConfigError(f"config key 'architectures' is {arch!r}; only ['Qwen2ForCausalLM'] is implemented")
+        if arch != ["Qwen2ForCausalLM"]:
+            raise ConfigError(f"config key 'architectures' is {brief(arch)}; only ['Qwen2ForCausalLM'] is implemented")
         if d.get("rope_scaling"):
-            raise ConfigError(f"config key 'rope_scaling' is {d['rope_scaling']!r}; RoPE scaling is not implemented")
+            raise ConfigError(f"config key 'rope_scaling' is {brief(d['rope_scaling'])}; RoPE scaling is not implemented")
         rope_params = d.get("rope_parameters") or {}
+        if not isinstance(rope_params, dict):
+            raise ConfigError(f"config key 'rope_parameters' is {brief(rope_params)}, not an object")
         rope_type = rope_params.get("rope_type", rope_params.get("type", "default"))
         if rope_type != "default":
-            raise ConfigError(f"config key 'rope_parameters.rope_type' is {rope_type!r}; only 'default' is implemented")
-        if d.get("use_sliding_window"):
-            raise ConfigError("config key 'use_sliding_window' is true; sliding-window attention is not implemented")
+            raise ConfigError(f"config key 'rope_parameters.rope_type' is {brief(rope_type)}; only 'default' is implemented")
+        if d.get("use_sliding_window") not in (None, False):
+            raise ConfigError(f"config key 'use_sliding_window' is {brief(d['use_sliding_window'])}; "
+                              f"sliding-window attention is not implemented")
         layer_types = d.get("layer_types") or []
-        if any(t != "full_attention" for t in layer_types):
-            raise ConfigError(f"config key 'layer_types' holds {sorted(set(layer_types))}; only 'full_attention' is implemented")
-        if d.get("attention_bias") is False:
-            raise ConfigError("config key 'attention_bias' is false; Qwen2 q/k/v projections carry biases")
-        if "head_dim" in d and d["head_dim"] is not None and d["head_dim"] * d["num_attention_heads"] != d["hidden_size"]:
-            raise ConfigError(f"config key 'head_dim' = {d['head_dim']} is not hidden_size / num_attention_heads")
-        theta = rope_params.get("rope_theta", d.get("rope_theta", 10000.0))
-        try:
-            return cls(
-                vocab_size=d["vocab_size"],
-                hidden_size=d["hidden_size"],
-                intermediate_size=d["intermediate_size"],
-                num_hidden_layers=d["num_hidden_layers"],
-                num_attention_heads=d["num_attention_heads"],
-                num_key_value_heads=d.get("num_key_value_heads", d["num_attention_heads"]),
-                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(theta),
-                max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
-                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                hidden_act=d.get("hidden_act", "silu"),
-                bos_token_id=_first_id(d.get("bos_token_id")),
-                eos_token_id=_first_id(d.get("eos_token_id")),
-            )
-        except KeyError as e:
-            raise ConfigError(f"config key {e.args[0]!r} is missing") from None
+        if not isinstance(layer_types, list) or any(t != "full_attention" for t in layer_types):
+            shown = sorted({brief(t) for t in layer_types}) if isinstance(layer_types, list) else brief(layer_types)
+            raise ConfigError(f"config key 'layer_types' holds {shown}; only 'full_attention' is implemented")
+        if d.get("attention_bias") not in (None, True):
+            raise ConfigError(f"config key 'attention_bias' is {brief(d['attention_bias'])}; Qwen2 q/k/v "
+                              f"projections carry biases")
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if k not in d]
+        if missing:
+            raise ConfigError(f"config key {missing[0]!r} is missing")
+        config = cls(
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=d["num_attention_heads"],
+            num_key_value_heads=d.get("num_key_value_heads", d["num_attention_heads"]),
+            rms_norm_eps=_real("rms_norm_eps", d.get("rms_norm_eps", 1e-6)),
+            rope_theta=_real("rope_theta", rope_params.get("rope_theta", d.get("rope_theta", 10000.0))),
+            max_position_embeddings=d.get("max_position_embeddings", 32768),
+            tie_word_embeddings=d.get("tie_word_embeddings", False),
+            hidden_act=d.get("hidden_act", "silu"),
+            bos_token_id=_first_id("bos_token_id", d.get("bos_token_id")),
+            eos_token_id=_first_id("eos_token_id", d.get("eos_token_id")),
+        )
+        head_dim = d.get("head_dim")
+        if head_dim is not None and head_dim != config.head_dim:
+            raise ConfigError(f"config key 'head_dim' = {brief(head_dim)} is not hidden_size / num_attention_heads")
+        return config
 
     @classmethod
     def from_json_file(cls, path) -> "Qwen2Config":
@@ -149,9 +166,28 @@ class Qwen2Config:
         return dataclasses.replace(self, **changes)
 
 
-def _first_id(value):
+def _check_int(key: str, value, minimum: int) -> None:
+    if type(value) is not int or not minimum <= value <= MAX_INT:
+        what = "a positive" if minimum > 0 else "a non-negative"
+        raise ConfigError(f"config key {key!r} must be {what} integer up to {MAX_INT}, got {brief(value)}")
+
+
+def _check_positive_real(key: str, value) -> None:
+    if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"config key {key!r} must be a finite positive number, got {brief(value)}")
+
+
+def _real(key: str, value) -> float:
+    _check_positive_real(key, value)
+    return float(value)
+
+
+def _first_id(key: str, value):
+    """A token id, or the first of a list of them (Hugging Face allows both)."""
     if isinstance(value, list):
-        return value[0] if value else None
+        value = value[0] if value else None
+    if value is not None:
+        _check_int(key, value, 0)
     return value
 
 
