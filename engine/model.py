@@ -23,10 +23,11 @@ import numpy as np
 
 from engine.block import Workspace, decoder_block
 from engine.config import PAGE_SIZE, Qwen2Config
-from engine.errors import ConfigError, HeaderError, PromptTooLongError, TokenIdError, UnknownFormatError
+from engine.errors import (AllocationTooLargeError, ConfigError, HeaderError, MissingTensorError, PromptTooLongError,
+                           TokenIdError, UnexpectedTensorError, UnknownFormatError)
 from engine.formats import get_format
 from engine.kv_cache import PagedKVCache, Sequence
-from engine.weights import LayerWeights, load_layer_weights, plain_tensor_specs
+from engine.weights import LayerWeights, iter_tensor_specs, load_layer_weights, plain_tensor_specs
 
 DEFAULT_CACHE_TOKENS = 4096
 
@@ -174,15 +175,60 @@ class Model:
         return int(self.backend.to_numpy(self._next)[0])
 
 
-def load(path, backend="numpy", verify_checksums: bool = True, cache_tokens: int = DEFAULT_CACHE_TOKENS) -> Model:
-    """Open a .nanoqwen file (validating everything first) and put its weights on `backend`."""
-    from engine.modelfile import ModelFile
+LOAD_ALLOWANCE = 256 << 20  # bytes load() may allocate beyond the file's size: KV cache, workspaces, logits
 
-    mf = ModelFile(path, verify_checksums=verify_checksums)
+
+def checked_config(mf) -> Qwen2Config:
+    """The config of an open ModelFile, after checking every tensor it requires against the table
+    (name, dtype, shape), lazily, so a config the table cannot hold (2**31 layers, a vocab or hidden
+    size it does not have) is refused in time bounded by the table, before anything is allocated; and
+    a table holding a tensor the config does not use is refused too (config and table disagree)."""
     try:
         config = Qwen2Config.from_hf_dict(mf.config_dict)
         get_format(mf.quant)
     except (ConfigError, UnknownFormatError) as e:
         raise HeaderError(mf.path, str(e)) from None
-    return Model(config, mf.quant, backend, mf.expect, tokenizer_json=mf.file("tokenizer.json"),
-                 cache_tokens=cache_tokens)
+    used = set()
+    for name, (dtype, shape) in iter_tensor_specs(config, mf.quant):
+        try:
+            mf.check(name, dtype, shape)
+        except MissingTensorError as e:
+            if not name.startswith("model.layers."):
+                raise
+            raise MissingTensorError(mf.path, f"{e.problem} (the config says num_hidden_layers = "
+                                              f"{config.num_hidden_layers})") from None
+        used.add(name)
+    extra = sorted(set(mf.tensors) - used)
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise UnexpectedTensorError(mf.path, f"tensor {extra[0]!r}{more} is in the file but not used by the config "
+                                             f"(num_hidden_layers = {config.num_hidden_layers}, tie_word_embeddings = "
+                                             f"{config.tie_word_embeddings})")
+    return config
+
+
+def planned_bytes(config: Qwen2Config, cache_tokens: int) -> int:
+    """What Model() allocates besides the weights: the KV cache, the decode workspace, the logits."""
+    c = config
+    pages = -(-min(cache_tokens, c.max_position_embeddings) // PAGE_SIZE)
+    kv = 2 * c.num_hidden_layers * pages * c.num_key_value_heads * PAGE_SIZE * c.head_dim * 2
+    workspace = 6 * c.hidden_size + 2 * c.qkv_size + 4 * c.q_size + 2 * c.intermediate_size + 8
+    return kv + workspace + 4 * c.vocab_size + 2 * c.hidden_size + 4 * pages
+
+
+def load(path, backend="numpy", verify_checksums: bool = True, cache_tokens: int = DEFAULT_CACHE_TOKENS) -> Model:
+    """Open a .nanoqwen file, check its config against its tensor table and plan the allocations
+    (refusing a plan past the file's size plus LOAD_ALLOWANCE), then put its weights on `backend`."""
+    from engine.modelfile import ModelFile
+
+    with ModelFile(path, verify_checksums=verify_checksums) as mf:
+        config = checked_config(mf)
+        planned = planned_bytes(config, cache_tokens)
+        if planned > mf.size + LOAD_ALLOWANCE:
+            raise AllocationTooLargeError(mf.path, f"loading would allocate {planned} bytes (KV cache of "
+                                                   f"{min(cache_tokens, config.max_position_embeddings)} tokens, "
+                                                   f"workspaces), more than the file's {mf.size} bytes plus "
+                                                   f"{LOAD_ALLOWANCE}")
+        # The numpy backend's arrays view the map; it stays open until the model lets go of them.
+        return Model(config, mf.quant, backend, mf.expect, tokenizer_json=mf.file("tokenizer.json"),
+                     cache_tokens=cache_tokens)

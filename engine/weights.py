@@ -33,18 +33,39 @@ def linear_names(config: Qwen2Config, layer: int) -> dict[str, tuple[int, int]]:
 def plain_tensor_specs(config: Qwen2Config) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Every fp16 tensor (embeddings, norms, biases, lm_head) the model file must hold."""
     c = config
-    specs = {"model.embed_tokens.weight": ("float16", (c.vocab_size, c.hidden_size)),
-             "model.norm.weight": ("float16", (c.hidden_size,))}
-    if not c.tie_word_embeddings:
-        specs["lm_head.weight"] = ("float16", (c.vocab_size, c.hidden_size))
+    specs = dict(_model_plain_specs(c))
     for i in range(c.num_hidden_layers):
-        p = f"model.layers.{i}."
-        specs[p + "input_layernorm.weight"] = ("float16", (c.hidden_size,))
-        specs[p + "post_attention_layernorm.weight"] = ("float16", (c.hidden_size,))
-        specs[p + "self_attn.q_proj.bias"] = ("float16", (c.q_size,))
-        specs[p + "self_attn.k_proj.bias"] = ("float16", (c.kv_size,))
-        specs[p + "self_attn.v_proj.bias"] = ("float16", (c.kv_size,))
+        specs.update(_layer_plain_specs(c, i))
     return specs
+
+
+def _model_plain_specs(c: Qwen2Config):
+    yield "model.embed_tokens.weight", ("float16", (c.vocab_size, c.hidden_size))
+    yield "model.norm.weight", ("float16", (c.hidden_size,))
+    if not c.tie_word_embeddings:
+        yield "lm_head.weight", ("float16", (c.vocab_size, c.hidden_size))
+
+
+def _layer_plain_specs(c: Qwen2Config, i: int):
+    p = f"model.layers.{i}."
+    yield p + "input_layernorm.weight", ("float16", (c.hidden_size,))
+    yield p + "post_attention_layernorm.weight", ("float16", (c.hidden_size,))
+    yield p + "self_attn.q_proj.bias", ("float16", (c.q_size,))
+    yield p + "self_attn.k_proj.bias", ("float16", (c.kv_size,))
+    yield p + "self_attn.v_proj.bias", ("float16", (c.kv_size,))
+
+
+def iter_tensor_specs(config: Qwen2Config, quant: str):
+    """Every tensor the model file must hold, as (name, (dtype, shape)), lazily: the model-wide ones,
+    then layer by layer. Nothing is built up front, so a caller checking them against a file's table
+    stops at the first one missing, in time bounded by the table, whatever num_hidden_layers says."""
+    fmt = get_format(quant)
+    yield from _model_plain_specs(config)
+    for i in range(config.num_hidden_layers):
+        yield from _layer_plain_specs(config, i)
+        for name, (out_f, in_f) in linear_names(config, i).items():
+            for suffix, spec in fmt.tensor_specs(out_f, in_f).items():
+                yield name + suffix, spec
 
 
 def quantized_tensor_specs(config: Qwen2Config, quant: str) -> dict[str, tuple[str, tuple[int, ...]]]:

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.config import PAGE_SIZE, Qwen2Config
+from engine.model import checked_config
 from engine.modelfile import ModelFile
 from fixtures.dequantized import dequantized_weights
 from fixtures.layer_cases import LayerCase
@@ -159,7 +160,7 @@ def descend(model_path, ids, backend_name: str = "numpy", decode_steps: int | No
     progress = progress or _say
     progress(f"descend: reading {model_path} and dequantizing its weights")
     mf = ModelFile(model_path)
-    config = Qwen2Config.from_hf_dict(mf.config_dict)
+    config = checked_config(mf)  # the config against the tensor table: a bad file is a typed error here
     hf_cfg, weights = dequantized_weights(model_path)
     ids = [int(t) for t in ids]
     T = len(ids)

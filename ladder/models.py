@@ -66,13 +66,9 @@ def prompt_ids(path, text: str | None, ids_csv: str | None):
 
 def model_tokenizer(path, required: bool = True):
     """The tokenizer embedded in a .nanoqwen file; None (or SystemExit when required) if it has none."""
-    from engine.modelfile import ModelFile
+    from engine.tokenizer import embedded_tokenizer
 
-    blob = ModelFile(path, verify_checksums=False).file("tokenizer.json")
-    if blob is None:
-        if required:
-            raise SystemExit(f"nanoqwen: error: {path} carries no tokenizer.json; use --prompt-ids")
-        return None
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_str(blob.decode())
+    tok = embedded_tokenizer(path, verify_checksums=False)
+    if tok is None and required:
+        raise SystemExit(f"nanoqwen: error: {path} carries no tokenizer.json; use --prompt-ids")
+    return tok
