@@ -176,12 +176,13 @@ _BRACKET_STEP = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")
 
 
 def parse_header(raw: bytes):
-    """The header's JSON value, nested at most MAX_DEPTH deep; ValueError (or RecursionError) if not.
+    """The header's JSON value: ValueError if it is not UTF-8 JSON, RecursionError if it nests deeper
+    than MAX_DEPTH.
 
-    A quick count of brackets (strings included; linear, no recursion) clears an ordinary header;
-    past MAX_DEPTH, json.loads stops a deep one with RecursionError after about a thousand levels, and
-    what parses is measured exactly (iteratively), so a 100,000-deep header costs next to nothing and
-    nothing deeper than MAX_DEPTH reaches code that recurses over it (printing, comparing)."""
+    json.loads stops a deep header with RecursionError after about a thousand levels, so 100,000
+    levels cost next to nothing. A header that parses, and whose bracket nesting (counted linearly,
+    strings included) passes MAX_DEPTH, is measured exactly and iteratively: nothing nested deeper than
+    MAX_DEPTH reaches code that recurses over it (printing, comparing)."""
     value = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
     if _bracket_depth(raw) > MAX_DEPTH:
         stack = [(value, 1)]
@@ -189,7 +190,7 @@ def parse_header(raw: bytes):
             v, depth = stack.pop()
             if isinstance(v, (dict, list)):
                 if depth > MAX_DEPTH:
-                    raise ValueError(f"JSON nested deeper than {MAX_DEPTH} levels")
+                    raise RecursionError(f"JSON nested deeper than {MAX_DEPTH} levels")
                 stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
     return value
 

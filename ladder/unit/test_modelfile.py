@@ -1,12 +1,17 @@
-"""Unit rung: the .nanoqwen file. Good files round-trip; every malformed case raises its own
-ModelFileError subclass before a tensor is used, and the command line turns it into one line on
-stderr and a non-zero exit, never a traceback."""
+"""Unit rung: the .nanoqwen file. Good files round-trip; every malformed case of the catalogue
+(fixtures/corrupt.py) raises its own ModelFileError subclass before a tensor is used, and the command
+line turns it into one line on stderr and exit status 2, never a traceback. A config the table cannot
+hold is refused before anything is built; loading thousands of times leaks no descriptor or map.
+(ladder/unit/test_fuzz_modelfile.py mutates files at random.)"""
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
+import time
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +20,9 @@ import pytest
 import engine
 from engine import errors as E
 from engine.modelfile import MAGIC, ModelFile, PendingTensor, write_model
-from fixtures.corrupt import CASES
+from engine.tokenizer import embedded_tokenizer
+from fixtures.corrupt import CASES, _config
+from fixtures.fuzz import seed_file
 from fixtures.tiny_model import random_model_file
 from ladder.cli import main as cli_main
 
@@ -82,11 +89,15 @@ def test_malformed_file_raises_its_own_error(tmp_path, good_file, case):
     with pytest.raises(error) as info:
         if stage == "open":
             ModelFile(bad)
-        else:
-            ModelFile(bad)  # the container itself is sound ...
+        elif stage == "load":
+            ModelFile(bad).close()  # the container itself is sound ...
             engine.load(bad)  # ... the config and tensor table are not
+        else:
+            engine.load(bad)  # the model is sound ...
+            embedded_tokenizer(bad)  # ... its tokenizer.json is not
     assert isinstance(info.value, E.ModelFileError)
     assert str(bad) in str(info.value), "the message must name the file"
+    assert "\n" not in str(info.value), "the message must be one line"
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -94,23 +105,86 @@ def test_cli_reports_a_malformed_file_in_one_line(tmp_path, good_file, case, cap
     make, error, stage = CASES[case]
     bad = tmp_path / f"{case}.nanoqwen"
     make(good_file, bad)
-    command = ["inspect", str(bad)] if stage == "open" else ["generate", "--model", str(bad), "--prompt-ids", "1"]
+    command = {"open": ["inspect", str(bad)], "load": ["generate", "--model", str(bad), "--prompt-ids", "1"],
+               "tokenizer": ["generate", "--model", str(bad), "--prompt", "def f"]}[stage]
     assert cli_main(command) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and err.startswith("nanoqwen: error:") and str(bad) in err, err
 
 
-@pytest.mark.parametrize("case", ["bad_magic", "truncated_in_data"])
-def test_cli_subprocess_exits_nonzero_without_traceback(tmp_path, good_file, case):
-    make, _, _ = CASES[case]
+@pytest.mark.parametrize("case", ["bad_magic", "truncated_in_data", "header_nested_deep", "config_layers_2_31",
+                                  "tokenizer_not_utf8"])
+def test_cli_subprocess_exits_2_with_one_line_and_no_traceback(tmp_path, good_file, case):
+    make, _, stage = CASES[case]
     bad = tmp_path / "bad.nanoqwen"
     make(good_file, bad)
-    r = subprocess.run([sys.executable, "-m", "ladder", "inspect", str(bad)], cwd=REPO, capture_output=True,
+    command = {"open": ["inspect", str(bad)], "load": ["generate", "--model", str(bad), "--prompt-ids", "1"],
+               "tokenizer": ["generate", "--model", str(bad), "--prompt", "def f"]}[stage]
+    r = subprocess.run([sys.executable, "-m", "ladder", *command], cwd=REPO, capture_output=True,
                        text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert r.returncode == 2
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.stderr.startswith("nanoqwen: error:") and str(bad) in r.stderr, r.stderr
 
 
 def test_missing_file_is_a_model_file_error(tmp_path):
     with pytest.raises(E.ModelFileError, match="cannot open"):
         ModelFile(tmp_path / "nope.nanoqwen")
+
+
+def test_a_config_the_table_cannot_hold_is_refused_before_anything_is_built(tmp_path, good_file):
+    # 2**31 - 1 layers once built per-layer tables for minutes; the table has 4, so the 5th is missing.
+    bad = tmp_path / "layers.nanoqwen"
+    CASES["config_layers_2_31"][0](good_file, bad)
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    try:
+        with pytest.raises(E.MissingTensorError, match="num_hidden_layers = 2147483647"):
+            engine.load(bad)
+        seconds, peak = time.perf_counter() - t0, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert seconds < 2.0 and peak < 4 << 20, (seconds, peak)
+
+
+def test_load_refuses_a_kv_cache_past_the_file_size_plus_the_allowance(tmp_path, good_file):
+    long = tmp_path / "long.nanoqwen"
+    _config("max_position_embeddings", 2**31 - 1)(good_file, long)
+    assert engine.load(long).cache.capacity == engine.model.DEFAULT_CACHE_TOKENS  # the default cache fits
+    with pytest.raises(E.AllocationTooLargeError, match="KV cache of 2147483647 tokens"):
+        engine.load(long, cache_tokens=2**31 - 1)
+
+
+def test_a_closed_file_hands_out_nothing_but_its_arrays_stay_valid(good_file):
+    with ModelFile(good_file) as mf:
+        norm = mf.tensor("model.norm.weight")
+        expected = norm.copy()
+    assert np.array_equal(norm, expected)  # the map outlives close() while an array views it
+    with pytest.raises(ValueError, match="closed"):
+        mf.tensor("model.norm.weight")
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _maps_of(path: Path) -> int:
+    return sum(str(path) in line for line in Path("/proc/self/maps").read_text().splitlines())
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts descriptors through /proc/self/fd (Linux)")
+def test_3000_loads_leak_no_file_descriptor_or_map():
+    path = seed_file()  # a 250 KB model: a load is about a millisecond
+    engine.load(path, cache_tokens=16)
+    gc.collect()
+    fds, maps = _open_fds(), _maps_of(path)
+    for _ in range(3000):
+        model = engine.load(path, cache_tokens=16)
+    for _ in range(1000):
+        ModelFile(path, verify_checksums=False)  # never closed by hand: the map goes with the object
+        with ModelFile(path, verify_checksums=False):
+            pass
+    assert model.config.num_hidden_layers == 2
+    del model
+    gc.collect()
+    assert _open_fds() <= fds and _maps_of(path) <= maps, (fds, _open_fds(), maps, _maps_of(path))
