@@ -94,6 +94,11 @@ def cmd_ladder(args) -> int:
         raise LadderArgumentError(f"--baseline {args.baseline}: {e}") from None
     if args.model:  # resolve once: an HF folder is converted here, not by each worker
         args.model = str(resolve_model(args.model))
+        from engine.model import checked_config
+        from engine.modelfile import ModelFile
+
+        with ModelFile(args.model) as mf:  # a malformed model is one typed error (exit 2), not red rungs
+            checked_config(mf)
     out = Path(args.report or f"reports/ladder-{datetime.datetime.now():%Y%m%d-%H%M%S}").expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
 

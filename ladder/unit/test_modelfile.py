@@ -188,3 +188,14 @@ def test_3000_loads_leak_no_file_descriptor_or_map():
     del model
     gc.collect()
     assert _open_fds() <= fds and _maps_of(path) <= maps, (fds, _open_fds(), maps, _maps_of(path))
+
+
+@pytest.mark.parametrize("case", ["bad_magic", "config_layers_2_31"])
+def test_ladder_refuses_a_malformed_model_in_one_line_before_any_rung(tmp_path, good_file, case, capsys):
+    bad = tmp_path / f"{case}.nanoqwen"
+    CASES[case][0](good_file, bad)
+    assert cli_main(["ladder", "--model", str(bad), "--rungs", "unit", "--report", str(tmp_path / "report")]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert err.count("\n") == 0 and err.startswith("nanoqwen: error:") and str(bad) in err, err
+    assert "rung" not in captured.out, "no rung may start on a malformed model"
