@@ -19,11 +19,15 @@ import pytest
 from ladder.faults import FAULTS, parse
 
 REPO = Path(__file__).resolve().parents[2]
+# The rung a fault runs in selects by keyword (`-k attention`), which would select these tests too and
+# start rungs of their own: the variable marks the inner run, where this file skips.
+NESTED = "NANOQWEN_FAULT_SELFTEST"
+pytestmark = pytest.mark.skipif(os.environ.get(NESTED) == "1", reason="inside a planted-fault run of this file")
 
 
 def run_rung(args: list[str], backend: str = "numpy") -> subprocess.CompletedProcess:
     """`pytest ARGS` on one backend, in a subprocess of its own (no xdist, no cache folder)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO), NESTED: "1"}
     for var in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_ADDOPTS"):
         env.pop(var, None)
     if backend != "cuda":
