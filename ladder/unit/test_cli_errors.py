@@ -14,6 +14,8 @@ import os
 import shutil
 import subprocess
 
+import sys
+
 import pytest
 
 from engine.config import SHAPES
@@ -111,6 +113,7 @@ def test_an_error_under_a_progress_bar_starts_on_a_fresh_line(paths, tmp_path, m
         return read(self, name)
 
     monkeypatch.setattr(SafetensorsFolder, "read", fails_on_the_fifth)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)  # a bar is drawn on a terminal
     assert cli_main(["convert", str(paths / "hf"), str(tmp_path / "m.nanoqwen")]) == 2
     lines = capsys.readouterr().err.split("\n")
     assert lines[-1] == "" and lines[-2].startswith("nanoqwen: error: ") and "planted" in lines[-2]
@@ -118,11 +121,19 @@ def test_an_error_under_a_progress_bar_starts_on_a_fresh_line(paths, tmp_path, m
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_conversion_on_the_way_to_generate_shows_its_progress(paths, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("terminal", [True, False], ids=["terminal", "pipe"])
+def test_a_conversion_on_the_way_to_generate_shows_its_progress(paths, tmp_path, monkeypatch, capsys, terminal):
+    """On a terminal a bar redrawn in place; into a pipe or a log a line per quarter, no carriage returns."""
     monkeypatch.setenv("NANOQWEN_CACHE", str(tmp_path))
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: terminal, raising=False)
     assert cli_main(["generate", "--model", str(paths / "hf"), "--prompt-ids", "1,2", "--max-new-tokens", "1"]) == 0
     err = capsys.readouterr().err
-    assert f"converting {paths / 'hf'}" in err and "convert [" + "#" * 30 + "]" in err
+    assert f"converting {paths / 'hf'}" in err
+    if terminal:
+        assert "convert [" + "#" * 30 + "]" in err
+    else:
+        lines = [line for line in err.splitlines() if line.startswith("convert:")]
+        assert "\r" not in err and 2 <= len(lines) <= 5 and lines[-1].split()[1].split("/")[0] == lines[-1].split()[1].split("/")[1]
     assert [p.suffix for p in (tmp_path / "converted").iterdir()] == [".nanoqwen"]
 
 

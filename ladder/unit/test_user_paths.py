@@ -141,9 +141,12 @@ def test_convert_inspect_generate_descend_on_the_users_model(tmp_path, user_mode
 def test_a_wheel_installed_elsewhere_runs_the_ladder(tmp_path):
     """Built and installed as a wheel (not editable) into a folder of its own: the package data (CUDA
     sources, the default model, prompts, golden files) travel, and a rung runs from that folder alone."""
-    wheels, site = tmp_path / "wheels", tmp_path / "site"
+    wheels, site, src = tmp_path / "wheels", tmp_path / "site", tmp_path / "src"
+    # Built from a copy: setuptools builds in the source tree, and the checkout stays as it was.
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__", "reports",
+                                                             ".tox", ".hypothesis", ".pytest_cache"))
     build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                            "-w", str(wheels), str(REPO)], capture_output=True, text=True, timeout=600)
+                            "-w", str(wheels), str(src)], capture_output=True, text=True, timeout=600)
     assert build.returncode == 0, build.stderr[-3000:]
     (wheel,) = wheels.glob("nanoqwen-*.whl")
     inst = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
