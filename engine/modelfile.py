@@ -227,9 +227,10 @@ def _is_int(v) -> bool:
 class ModelFile:
     """A validated, memory-mapped .nanoqwen file. `tensor(name)` returns a read-only view of the map.
 
-    Every field of the header is checked for type and range before use; the file descriptor is
-    closed once the map is made. `close()` (or a `with` block) unmaps the file when no array still
-    views it; otherwise the map goes with the last such array."""
+    Every field of the header is checked for type and range before use. The descriptor opened to
+    read the file is closed once the map is made (the map holds its own until it goes). `close()`
+    (or a `with` block) unmaps the file when no array still views it; otherwise the map goes with
+    the last such array."""
 
     def __init__(self, path, verify_checksums: bool = True):
         self.path = Path(path)
@@ -283,12 +284,11 @@ class ModelFile:
             raise E.HeaderError(p, f"header is not valid JSON ({E.one_line(e, 120)})") from None
         if not isinstance(header, dict):
             raise E.HeaderError(p, f"header is not a JSON object (it is a {type(header).__name__})")
-        for key, kind in (("config", dict), ("quant", str), ("tensors", list), ("files", list)):
-            if key == "files" and "files" not in header:
-                continue
-            if not isinstance(header.get(key), kind):
-                raise E.HeaderError(p, f"header field {key!r} is missing or not a {_JSON_NAME[kind]} "
-                                       f"(got {E.brief(header.get(key))})")
+        for key, kind, what in (("config", dict, "JSON object"), ("quant", str, "string"), ("tensors", list, "list"),
+                                ("files", list, "list")):
+            value = header.get(key, [] if key == "files" else None)  # a model may embed no file
+            if not isinstance(value, kind):
+                raise E.HeaderError(p, f"header field {key!r} is missing or not a {what} (got {E.brief(value)})")
         if not _is_int(header.get("version")) or header["version"] != VERSION:
             raise E.HeaderError(p, f"header field 'version' is {E.brief(header.get('version'))}; expected {VERSION}")
         if header.get("format", "nanoqwen") != "nanoqwen":
@@ -418,5 +418,3 @@ class ModelFile:
         e = self.files.get(name)
         return None if e is None else bytes(self._mapped()[e.offset: e.offset + e.length])
 
-
-_JSON_NAME = {dict: "JSON object", str: "string", list: "list"}
