@@ -2,7 +2,9 @@
 
 `ref_forward(config, weights, ids)` returns logits `[T, V]` for a full recompute of `ids`. `weights` is
 a dict of Hugging Face names to float arrays (quantized linears already dequantized by the caller);
-`config` a config.json dict. Slow and simple on purpose; for small models and short prompts.
+`config` a config.json dict. Slow and simple on purpose; for small models and short prompts. With
+`dtype=np.float32, storage=np.float16` it is the plain implementation of the whole model, whose logit
+error is the graph rung's noise floor.
 """
 
 from __future__ import annotations
@@ -49,12 +51,19 @@ def ref_block(config: dict, w: dict, layer: int, x: np.ndarray, positions, dtype
     return x, k, v
 
 
-def ref_forward(config: dict, weights: dict, ids) -> np.ndarray:
-    """float64 logits [T, V] of a full forward pass over `ids` (positions 0 .. T-1)."""
+def ref_forward(config: dict, weights: dict, ids, dtype=np.float64, storage=None) -> np.ndarray:
+    """Logits [T, V] (in `dtype`) of a full causal forward pass over `ids` (positions 0 .. T-1).
+
+    float64 by default. With `dtype=np.float32, storage=np.float16` it follows the precision contract
+    op for op: the fp16 embedding row copied into an fp32 residual, each block as `ref_block` in that
+    mode, the final norm's output stored as fp16, the lm_head in fp32 (fp32 logits).
+    """
     positions = np.arange(len(ids))
-    x = ref_embed(ids, weights["model.embed_tokens.weight"])
+    x = ref_embed(ids, weights["model.embed_tokens.weight"], dtype=dtype)
     for layer in range(config["num_hidden_layers"]):
-        x, _, _ = ref_block(config, weights, layer, x, positions)
-    x = ref_rmsnorm(x, weights["model.norm.weight"], config.get("rms_norm_eps", 1e-6))
+        x, _, _ = ref_block(config, weights, layer, x, positions, dtype=dtype, storage=storage)
+    x = ref_rmsnorm(x, weights["model.norm.weight"], config.get("rms_norm_eps", 1e-6), dtype=dtype)
+    if storage is not None:
+        x = x.astype(storage).astype(dtype)
     head = weights["model.embed_tokens.weight"] if config.get("tie_word_embeddings") else weights["lm_head.weight"]
-    return ref_linear(x, head)
+    return ref_linear(x, head, dtype=dtype)
