@@ -67,6 +67,23 @@ def pytest_addoption(parser):
                 help="regenerate the golden activations of the model under test before running")
     g.addoption("--ladder-json", default=None, metavar="FILE",
                 help="write the run's per-rung counts, op error multiples and op calls as JSON")
+    g.addoption("--new-tokens", default=None, type=_positive_int, metavar="N",
+                help="graph rung: tokens generated per prompt (default: past the next page boundary, 8 to 24)")
+    g.addoption("--skip-determinism", action="store_true",
+                help="graph rung: skip the three-run determinism test (slow machines)")
+
+
+def _positive_int(text: str) -> int:
+    """--new-tokens: an integer >= 1 (pytest reports an ArgumentTypeError as a usage error)."""
+    import argparse
+
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"--new-tokens must be an integer >= 1, got {text!r}")
+    return n
 
 
 # --- selection -----------------------------------------------------------------------------------
@@ -256,6 +273,7 @@ class _Summary:
         self.calls = defaultdict(Counter)  # (rung, backend) -> op -> n
         self.graph: list[dict] = []  # graph rung: one ladder/tokens.py record per prompt and backend
         self.flatness: list[dict] = []
+        self.graph_bounds: list[dict] = []  # the bounds each worker derived (the same, recorded once)
         self.failures: list[str] = []
 
     def add(self, report, rung: str):
@@ -280,6 +298,8 @@ class _Summary:
                 self.graph.append(value)
             elif key == "nanoqwen_graph_flatness":
                 self.flatness.append(value)
+            elif key == "nanoqwen_graph_bounds" and value not in self.graph_bounds:
+                self.graph_bounds.append(value)
 
     def as_json(self) -> dict:
         return {
@@ -295,6 +315,7 @@ class _Summary:
                                        - {(b, op) for (_, b), c in self.calls.items() for op in c}),
             "graph": [vars(x) for x in self.graph_summaries()],
             "graph_flatness": self.flatness,
+            "graph_bounds": self.graph_bounds,
             "near_ties": [d for r in self.graph for d in r["near_ties"]],
             "failures": self.failures,
         }
@@ -347,6 +368,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         for d in [d for r in s.graph if r["backend"] == g.backend for d in r["near_ties"]][:10]:
             tr.line(f"  near-tie: prompt {d['prompt_id']!r} position {d['position']}: reference {d['ref_token']}, "
                     f"engine {d['engine_token']}, margin {d['margin']:.4g}")
+    for b in s.graph_bounds:
+        from ladder.tokens import GraphBounds
+
+        tr.line(GraphBounds.from_record(b).describe())
     for f in s.flatness:
         tr.line(f"reference: {f['flat']} of {f['positions']} positions ({100 * f['fraction']:.2f}%) under the "
                 f"near-tie epsilon; smallest top-1/top-2 margin {f['min_margin']:.4g}")

@@ -1,23 +1,33 @@
-"""Token comparison of the graph rung (DESIGN.md, "Token comparison"): engine greedy tokens against the
-HF simulation's, with near-ties judged by the reference's logit margin and teacher forcing after them.
+"""Token comparison of the graph rung (docs/LADDER.md, "Token comparison"): engine greedy tokens against
+the HF simulation's, with near-ties judged by the reference's logit margin and teacher forcing after
+them, under bounds derived from the model's own noise floor.
 
     ref = reference_greedy(hf, prompt_ids, n_new)          # HF float32, its own KV cache, once per prompt
+    bounds = derive_bounds(config, weights, runs)           # the model's floor on FLOOR_PROMPTS prompts
     logits = engine_logits(model, prompt_ids, ref.tokens)   # engine, fed the reference's tokens
-    result = compare_greedy("p017", ref, logits, backend="numpy")
+    result = compare_greedy("p017", ref, logits, backend="numpy", bounds=bounds)
     assert result.passed, result.describe()
-    flat = flatness([ref, ...])                              # refuse a model too flat to judge
+    flat = flatness([ref, ...], bounds)                      # refuse a model too flat to judge
+
+The bounds: the floor is the max abs difference between the logits of the plain implementation of the
+whole model (reference.model.ref_forward in fp32 with fp16 storage, one causal pass over the prompt
+and the reference's tokens) and the HF simulation's, over the new positions of a spread of the prompts
+(`floor_prompts`: the same ones in every xdist worker, so every worker derives the same bounds). The
+engine may differ from the simulation by `allowed` = TOL[("graph_logits", "float32")] of that floor;
+the near-tie epsilon is NEAR_TIE_EPS_PER_LOGIT_DIFF x allowed (ladder/tolerances.py says why).
 
 Identical greedy tokens pass. At a mismatch, `margin = ref_logits[ref_token] - ref_logits[engine_token]`
-decides: under NEAR_TIE_EPS it is a near-tie (recorded), otherwise a failure (prompt id, position, both
+decides: under the epsilon it is a near-tie (recorded), otherwise a failure (prompt id, position, both
 tokens, margin). Either way the comparison goes on with the reference's token on both sides (teacher
 forcing), so one run reports every diverging position. Because both sides always continue with the
 reference's token, the reference never depends on the engine: it runs once per prompt and serves every
 backend, and the engine's logits at each position are those of one prefill plus decode steps fed with
 the reference's tokens. The engine's greedy token at a position is the argmax of its fp32 logits, lowest
-index on a tie (the `argmax` op's contract).
+index on a tie (the `argmax` op's contract). Any logit further than `allowed` from the reference fails
+too: past it, a flipped token could pass as a near-tie.
 
-Stop ids are ignored: both sides generate exactly `n_new` tokens, so every prompt crosses the page
-boundaries it was sized to cross.
+Stop ids are ignored: both sides generate exactly `n_new` tokens (`new_tokens_for`, or the run's
+`--new-tokens`), so every prompt crosses the page boundaries it was sized to cross.
 """
 
 from __future__ import annotations
@@ -27,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from engine.config import PAGE_SIZE
-from ladder.tolerances import MAX_LOGIT_DIFF, MAX_NEAR_TIE_FRACTION, NEAR_TIE_EPS
+from ladder.tolerances import FLOOR_PROMPTS, MAX_NEAR_TIE_FRACTION, NEAR_TIE_EPS_PER_LOGIT_DIFF, TOL
 
 PAGE = PAGE_SIZE
 
@@ -41,6 +51,11 @@ def new_tokens_for(prompt_len: int, page: int = PAGE, beyond: int = 8) -> int:
     """
     boundary = (prompt_len // page + 1) * page
     return boundary - prompt_len + beyond
+
+
+def tokens_to_generate(prompt_len: int, override: int | None = None) -> int:
+    """The new tokens of one prompt: `override` (the run's `--new-tokens`) when given, else `new_tokens_for`."""
+    return int(override) if override else new_tokens_for(prompt_len)
 
 
 def top2_margin(logits: np.ndarray) -> np.ndarray:
@@ -97,6 +112,93 @@ def engine_logits(model, prompt_ids, tokens) -> np.ndarray:
     return np.stack(rows)
 
 
+# --- the bounds, from the model's floor ------------------------------------------------------------
+
+
+def floor_prompts(prompts, k: int = FLOOR_PROMPTS) -> list:
+    """Up to `k` prompts spread over the lengths (shortest, longest and between), in length order.
+
+    Deterministic in the prompt set alone (ties broken by id), so every xdist worker picks the same ones.
+    """
+    ordered = sorted(prompts, key=lambda p: (len(p.ids), str(p.id)))
+    if len(ordered) <= k:
+        return ordered
+    picks = sorted({i * (len(ordered) - 1) // (k - 1) for i in range(k)}) if k > 1 else [0]
+    return [ordered[i] for i in picks]
+
+
+def floor_logits(config: dict, weights: dict, prompt_ids, ref: Reference) -> np.ndarray:
+    """The plain implementation's fp32 logits [N, V] at the reference's N new positions: one causal pass
+    of reference.model.ref_forward (fp32, fp16 storage) over the prompt and the reference's tokens."""
+    from reference.model import ref_forward
+
+    ids = [int(t) for t in prompt_ids] + [int(t) for t in ref.tokens[:-1]]
+    logits = ref_forward(config, weights, ids, dtype=np.float32, storage=np.float16)
+    return logits[len(prompt_ids) - 1:]
+
+
+@dataclass(frozen=True)
+class GraphBounds:
+    """The graph rung's bounds for one model, and the measurement they come from."""
+
+    floor: float  # max |plain fp32/fp16-storage forward - HF simulation| logit over the floor prompts
+    floor_q999: float  # the 99.9th percentile of the same differences
+    ref_scale: float  # max |reference logit| over the floor prompts (the ulps term's scale)
+    factor: float
+    ulps: float
+    max_logit_diff: float  # the engine's allowed max abs logit difference from the HF simulation
+    eps: float  # the near-tie epsilon
+    max_near_tie_fraction: float
+    prompts: tuple[str, ...]  # the floor prompts' ids
+    positions: int  # new positions the floor was measured over
+
+    def describe(self) -> str:
+        return (f"graph rung bounds: floor {self.floor:.4g} (99.9th percentile {self.floor_q999:.4g}) = max abs "
+                f"logit difference of the plain fp32 forward with fp16 storage from the HF simulation over "
+                f"{self.positions} new positions of {len(self.prompts)} prompts ({', '.join(self.prompts)}); "
+                f"allowed logit difference {self.factor:g} x floor + {self.ulps:g} ulp x {self.ref_scale:.3g} = "
+                f"{self.max_logit_diff:.4g}; near-tie epsilon {NEAR_TIE_EPS_PER_LOGIT_DIFF:g} x allowed = "
+                f"{self.eps:.4g}; near-tie limit {100 * self.max_near_tie_fraction:g}% of positions")
+
+    def record(self) -> dict:
+        d = asdict(self)
+        d["prompts"] = list(self.prompts)
+        return d
+
+    @classmethod
+    def from_record(cls, d: dict) -> "GraphBounds":
+        return cls(**{**d, "prompts": tuple(d["prompts"])})
+
+
+def bounds_from_floor(floor: float, ref_scale: float, floor_q999: float | None = None, prompts=(),
+                      positions: int = 0) -> GraphBounds:
+    """The bounds a measured floor implies (ladder/tolerances.py: TOL[("graph_logits", "float32")])."""
+    tol = TOL[("graph_logits", "float32")]
+    allowed = tol.bound(floor, ref_scale, np.float32)
+    return GraphBounds(float(floor), float(floor if floor_q999 is None else floor_q999), float(ref_scale),
+                       tol.factor, tol.ulps, float(allowed), float(NEAR_TIE_EPS_PER_LOGIT_DIFF * allowed),
+                       MAX_NEAR_TIE_FRACTION, tuple(str(p) for p in prompts), int(positions))
+
+
+def derive_bounds(config: dict, weights: dict, runs) -> GraphBounds:
+    """The bounds of one model from its floor, measured on `runs`: (prompt id, prompt ids, Reference)
+    triples (the floor prompts, each with the HF simulation's greedy run on it)."""
+    diffs, scale, ids = [], 0.0, []
+    for prompt_id, prompt_ids, ref in runs:
+        fl = floor_logits(config, weights, prompt_ids, ref).astype(np.float64)
+        diffs.append(np.abs(fl - ref.logits.astype(np.float64)).ravel())
+        scale = max(scale, float(np.abs(ref.logits).max()))
+        ids.append(prompt_id)
+    if not diffs:
+        raise ValueError("the graph rung's floor needs at least one prompt")
+    d = np.concatenate(diffs)
+    if not np.isfinite(d).all():
+        raise ValueError("the plain fp32 forward with fp16 storage gives non-finite logits: the model overflows "
+                         "fp16 activations, so its graph-rung floor is undefined")
+    positions = sum(len(r.tokens) for _, _, r in runs)
+    return bounds_from_floor(float(d.max()), scale, float(np.quantile(d, 0.999)), ids, positions)
+
+
 # --- the comparison ---------------------------------------------------------------------------------
 
 
@@ -125,18 +227,19 @@ class TokenResult:
     prompt_len: int
     positions: int  # new positions compared
     exact: int  # positions where the engine's greedy token is the reference's
+    eps: float  # the model's near-tie epsilon (GraphBounds.eps)
+    allowed: float  # the model's allowed max abs logit difference (GraphBounds.max_logit_diff)
     near_ties: list[Divergence] = field(default_factory=list)
     failures: list[Divergence] = field(default_factory=list)
     min_margin: float = float("inf")  # smallest reference top-1/top-2 margin over the positions
     flat_positions: int = 0  # positions whose reference top-1/top-2 margin is under eps
     max_logit_diff: float = 0.0  # max |engine - reference| logit over all positions and the vocab
     nan_positions: int = 0  # positions where the engine's logits hold NaN or inf
-    eps: float = NEAR_TIE_EPS
 
     @property
     def logits_drifted(self) -> bool:
-        """Engine logits further from the reference than the near-tie rule assumes (MAX_LOGIT_DIFF)."""
-        return self.max_logit_diff > MAX_LOGIT_DIFF
+        """Engine logits further from the reference than the near-tie rule assumes (the allowed difference)."""
+        return self.max_logit_diff > self.allowed
 
     @property
     def passed(self) -> bool:
@@ -146,19 +249,21 @@ class TokenResult:
         head = (f"graph[{self.prompt_id}] on backend {self.backend!r}: prompt of {self.prompt_len} tokens, "
                 f"{self.positions} new tokens: {self.exact} exact, {len(self.near_ties)} near-ties, "
                 f"{len(self.failures)} failures; smallest reference margin {self.min_margin:.4g}, max abs "
-                f"logit difference {self.max_logit_diff:.4g}")
+                f"logit difference {self.max_logit_diff:.4g} (allowed {self.allowed:.4g}, near-tie epsilon "
+                f"{self.eps:.4g}, both from the model's floor)")
         lines = [head]
         if self.nan_positions:
             lines.append(f"  NaN or inf in the engine's logits at {self.nan_positions} positions")
         if self.logits_drifted:
-            lines.append(f"  FAIL max abs logit difference {self.max_logit_diff:.4g} > MAX_LOGIT_DIFF {MAX_LOGIT_DIFF} "
-                         f"(half the near-tie epsilon: beyond it a flipped token could pass as a near-tie)")
+            lines.append(f"  FAIL max abs logit difference {self.max_logit_diff:.4g} > allowed {self.allowed:.4g} "
+                         f"(the graph_logits factor of the model's floor: beyond it a flipped token could pass "
+                         f"as a near-tie)")
         for d in self.failures[:5]:
-            lines.append(f"  FAIL {d} >= near-tie epsilon {self.eps}")
+            lines.append(f"  FAIL {d} >= near-tie epsilon {self.eps:.4g}")
         if len(self.failures) > 5:
             lines.append(f"  ... and {len(self.failures) - 5} more failing positions")
         for d in self.near_ties[:5]:
-            lines.append(f"  near-tie {d} < {self.eps}; teacher-forced")
+            lines.append(f"  near-tie {d} < {self.eps:.4g}; teacher-forced")
         return "\n".join(lines)
 
     def record(self) -> dict:
@@ -170,20 +275,22 @@ class TokenResult:
         return d
 
 
-def compare_greedy(prompt_id: str, ref: Reference, eng_logits, backend: str = "?",
-                   eps: float = NEAR_TIE_EPS) -> TokenResult:
-    """Compare the engine's greedy tokens (argmax of `eng_logits` [N, V]) with the reference's."""
+def compare_greedy(prompt_id: str, ref: Reference, eng_logits, backend: str = "?", *,
+                   bounds: GraphBounds) -> TokenResult:
+    """Compare the engine's greedy tokens (argmax of `eng_logits` [N, V]) with the reference's, under
+    the model's `bounds` (near-tie epsilon and allowed logit difference)."""
     eng_logits = np.asarray(eng_logits, dtype=np.float32)
     if eng_logits.shape != ref.logits.shape:
         raise ValueError(f"engine logits {eng_logits.shape} and reference logits {ref.logits.shape} differ in shape")
+    eps = bounds.eps
     margins = ref.margins
     finite = np.isfinite(eng_logits).all(axis=-1)
     diff = np.abs(eng_logits.astype(np.float64) - ref.logits.astype(np.float64))
-    res = TokenResult(prompt_id, backend, ref.prompt_len, len(ref.tokens), 0,
+    res = TokenResult(prompt_id, backend, ref.prompt_len, len(ref.tokens), 0, eps, bounds.max_logit_diff,
                       min_margin=float(margins.min()) if margins.size else float("inf"),
                       flat_positions=int((margins < eps).sum()),
                       max_logit_diff=float(diff[finite].max()) if finite.any() else float("inf"),
-                      nan_positions=int((~finite).sum()), eps=eps)
+                      nan_positions=int((~finite).sum()))
     for step, (ref_tok, row) in enumerate(zip(ref.tokens, eng_logits)):
         ref_tok = int(ref_tok)
         eng_tok = int(np.argmax(np.nan_to_num(row, nan=-np.inf)))
@@ -206,7 +313,7 @@ class Flatness:
     positions: int
     flat: int
     min_margin: float
-    eps: float = NEAR_TIE_EPS
+    eps: float
     max_fraction: float = MAX_NEAR_TIE_FRACTION
 
     @property
@@ -221,17 +328,18 @@ class Flatness:
         if self.positions == 0:
             return "graph rung: no reference positions to judge"
         verdict = ("the model is too flat to judge: a wrong token could hide behind a near-tie; the graph rung "
-                   "refuses it (DESIGN.md, Token comparison)" if self.refused else "within the limit")
+                   "refuses it (docs/LADDER.md, Token comparison)" if self.refused else "within the limit")
         return (f"graph rung: {self.flat} of {self.positions} reference positions ({100 * self.fraction:.2f}%) "
-                f"have a top-1/top-2 margin under the near-tie epsilon {self.eps} (limit "
+                f"have a top-1/top-2 margin under the model's near-tie epsilon {self.eps:.4g} (limit "
                 f"{100 * self.max_fraction:.0f}%); smallest margin {self.min_margin:.4g}: {verdict}")
 
 
-def flatness(refs, eps: float = NEAR_TIE_EPS, max_fraction: float = MAX_NEAR_TIE_FRACTION) -> Flatness:
+def flatness(refs, bounds: GraphBounds) -> Flatness:
     """The flat-model rule over every compared position of every prompt's reference run."""
     margins = np.concatenate([r.margins for r in refs]) if refs else np.zeros(0)
-    return Flatness(int(margins.size), int((margins < eps).sum()),
-                    float(margins.min()) if margins.size else float("inf"), eps, max_fraction)
+    return Flatness(int(margins.size), int((margins < bounds.eps).sum()),
+                    float(margins.min()) if margins.size else float("inf"), bounds.eps,
+                    bounds.max_near_tie_fraction)
 
 
 @dataclass
@@ -247,12 +355,14 @@ class Summary:
     failures: int = 0
     min_margin: float = float("inf")
     max_logit_diff: float = 0.0
+    allowed: float = float("inf")  # the smallest allowed difference the prompts were judged by
+    eps: float = float("inf")  # the smallest near-tie epsilon they were judged by
 
     def describe(self) -> str:
         return (f"graph rung on {self.backend}: {self.prompts} prompts ({self.failed_prompts} failed), "
                 f"{self.positions} tokens: {self.exact} exact, {self.near_ties} near-ties, {self.failures} "
                 f"failures; smallest reference margin {self.min_margin:.4g}; max abs logit difference "
-                f"{self.max_logit_diff:.4g}")
+                f"{self.max_logit_diff:.4g} (allowed {self.allowed:.4g}, near-tie epsilon {self.eps:.4g})")
 
 
 def summarize(results) -> list[Summary]:
@@ -269,4 +379,6 @@ def summarize(results) -> list[Summary]:
         s.failures += len(r["failures"])
         s.min_margin = min(s.min_margin, r["min_margin"])
         s.max_logit_diff = max(s.max_logit_diff, r["max_logit_diff"])
+        s.allowed = min(s.allowed, r.get("allowed", float("inf")))
+        s.eps = min(s.eps, r.get("eps", float("inf")))
     return list(out.values())

@@ -47,19 +47,29 @@ TOL: dict[tuple[str, str], Tol] = {
     ("layer_kv", "float16"): Tol(3.0, 2.0, "K after fp16 q/k/v projection and RoPE, V after the projection, stored fp16"),
     # Whole-model checks: the floor is the engine's own full-prefill error against the float64 model.
     ("decode_logits", "float32"): Tol(2.0, 0.0, "decode through the cache is another valid fp16 rounding path than a full prefill"),
+    # Graph rung: the floor is the plain whole-model forward (reference.model.ref_forward, fp32 with fp16
+    # storage) against the HF simulation, on FLOOR_PROMPTS of the prompts (ladder/tokens.py derive_bounds).
+    ("graph_logits", "float32"): Tol(4.0, 8.0, "the engine is another fp16 rounding path (fused ops, other sum orders) "
+                                               "and is judged on every prompt, the floor on a subset: 1.6x it on the default model"),
 }
 
 
-# Graph rung: a token mismatch where the reference's top-1 margin (its logit of its own token minus its
-# logit of the engine's token) is below NEAR_TIE_EPS is a near-tie, reported, not failed. Derivation:
-# a greedy choice flips only when the engine's logit errors on the two tokens sum to more than the
-# margin. On the default model (the trained tiny coder), over the graph rung's 100 prompts, the
-# engine's max abs logit error against the float32 HF simulation is 0.0095 (0.014 on the seeded random
-# model): a flip needs a margin under ~0.02, and 0.05 leaves 2.5x headroom. The rung also fails when
-# any logit differs by more than MAX_LOGIT_DIFF (half the epsilon): past it, the near-tie rule's own
-# assumption no longer holds.
-NEAR_TIE_EPS = 0.05
-MAX_LOGIT_DIFF = NEAR_TIE_EPS / 2
+# Graph rung: the bounds are derived per model from its measured floor (ladder/tokens.py derive_bounds),
+# never typed. The engine's logits may differ from the HF simulation's by at most
+#     allowed = TOL[("graph_logits", "float32")].bound(floor, max |reference logit|, float32)
+# and a token mismatch whose reference margin (its logit of its own token minus its logit of the
+# engine's token) is under the near-tie epsilon
+#     eps = NEAR_TIE_EPS_PER_LOGIT_DIFF * allowed
+# is a near-tie, reported, not failed: a greedy choice flips only when the two tokens' logit errors sum
+# past the margin, and each is at most `allowed`. The ulps term keeps both above zero when the floor is
+# exactly zero. On the default model (the trained tiny coder) the floor over its 12 floor prompts is
+# 0.0066 and the NumPy engine's worst difference over all 100 prompts 0.010 (1.6x), which derives allowed =
+# 0.027 and eps = 0.053: the fixed figures this table held before (0.025, 0.05).
+FLOOR_PROMPTS = 12  # the floor is measured on this many prompts, spread over the prompt lengths
+NEAR_TIE_EPS_PER_LOGIT_DIFF = 2.0
 # A model too flat to judge: when more than this fraction of reference positions have margins under
-# NEAR_TIE_EPS, the graph rung refuses the model instead of passing on ties (DESIGN.md).
+# the model's near-tie epsilon, the graph rung refuses the model instead of passing on ties (docs/LADDER.md).
 MAX_NEAR_TIE_FRACTION = 0.05
+# The default model's derived epsilon, rounded: for checks that run without a graph rung (the flatness
+# of fixture models in test_tiny_coder and test_convert, bench's token check).
+NEAR_TIE_EPS = 0.05

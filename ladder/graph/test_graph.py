@@ -2,16 +2,22 @@
 
 The HF simulation is transformers' `Qwen2ForCausalLM` in float32 on the engine's own dequantized weights
 (reference/hf.py), so a red test points at the engine's kernels, not at quantization. Each prompt
-generates past the next 16-token page boundary (ladder/tokens.py `new_tokens_for`), and the comparison
-follows DESIGN.md's "Token comparison": exact tokens pass, a mismatch under the near-tie epsilon is a
-recorded near-tie (teacher-forced), any other mismatch fails with prompt id, position, both tokens and
-the reference's margin. `test_model_is_not_too_flat` refuses a model whose reference logits are too
-flat for the comparison to mean anything.
+generates past the next 16-token page boundary (ladder/tokens.py `new_tokens_for`; `--new-tokens N`
+sets the count), and the comparison follows docs/LADDER.md's "Token comparison": exact tokens pass, a
+mismatch under the near-tie epsilon is a recorded near-tie (teacher-forced), any other mismatch fails
+with prompt id, position, both tokens and the reference's margin, and so does any logit further from
+the reference than the allowed difference. `test_model_is_not_too_flat` refuses a model whose
+reference logits are too flat for the comparison to mean anything.
+
+The epsilon and the allowed difference are the model's own: the `bounds` fixture derives them once per
+worker from the model's noise floor (the plain fp32 forward with fp16 storage against the HF simulation)
+on a spread of FLOOR_PROMPTS prompts, the same in every worker (ladder/tokens.py `derive_bounds`).
 
 The reference runs once per prompt per worker (with its own KV cache) and serves every backend. On CUDA
-the decode step runs both eager and as the captured graph. Honours `--model` and `--prompts`; each test
-attaches its result as the `nanoqwen_graph` user property, which ladder/graph/conftest.py (or the
-plugin) totals at the end of the run.
+the decode step runs both eager and as the captured graph. Honours `--model`, `--prompts` and
+`--new-tokens`; each test attaches its result (`nanoqwen_graph`) and the bounds it was judged by
+(`nanoqwen_graph_bounds`) as user properties, which the plugin totals at the end of the run and writes
+to the ladder JSON.
 """
 
 from __future__ import annotations
@@ -27,10 +33,10 @@ pytest.importorskip("transformers", reason="the graph rung's reference (the HF s
                                             "transformers: pip install -e '.[test]'")
 
 import engine
-from fixtures.prompts import default_prompts_path, load_prompts, read_prompt_ids
+from fixtures.prompts import default_prompts_path, prompts_for_model, read_prompt_ids
 from ladder.compare import rerun_command
-from ladder.tokens import (compare_greedy, engine_logits, flatness, new_tokens_for,
-                           reference_greedy)
+from ladder.tokens import (compare_greedy, derive_bounds, engine_logits, flatness, floor_prompts,
+                           reference_greedy, tokens_to_generate)
 from fixtures.dequantized import dequantized_weights
 from reference.hf import hf_model
 
@@ -50,15 +56,17 @@ def pytest_generate_tests(metafunc):
 
 @pytest.fixture(scope="session")
 def prompts(request, model_path):
-    """Prompt id -> Prompt, tokenized with the model's tokenizer where a line has only text."""
-    return {p.id: p for p in load_prompts(prompts_file(request.config), model_path)}
+    """Prompt id -> Prompt, every id inside the model's vocab (fixtures/prompts.py `prompts_for_model`)."""
+    return {p.id: p for p in prompts_for_model(model_path, request.config.getoption("--prompts")).prompts}
 
 
 class ReferenceRuns:
     """The HF simulation of one model, built on first use; each prompt's greedy run computed once."""
 
-    def __init__(self, model_path):
+    def __init__(self, model_path, new_tokens: int | None = None):
         self.model_path = model_path
+        self.new_tokens = new_tokens  # --new-tokens, else each prompt's new_tokens_for
+        self.config = self.weights = None  # the dequantized weights, shared with the floor
         self._hf = None
         self._vocab = None
         self._runs = {}
@@ -66,6 +74,7 @@ class ReferenceRuns:
     def model(self):
         if self._hf is None:
             config, weights = dequantized_weights(self.model_path)
+            self.config, self.weights = config, weights
             self._vocab = config["vocab_size"]
             self._hf = hf_model(config, weights)
             workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
@@ -88,15 +97,24 @@ class ReferenceRuns:
             before = torch.get_num_threads()
             torch.set_num_threads(self._threads)
             try:
-                self._runs[prompt.id] = reference_greedy(hf, prompt.ids, new_tokens_for(len(prompt.ids)))
+                n_new = tokens_to_generate(len(prompt.ids), self.new_tokens)
+                self._runs[prompt.id] = reference_greedy(hf, prompt.ids, n_new)
             finally:
                 torch.set_num_threads(before)
         return self._runs[prompt.id]
 
 
 @pytest.fixture(scope="session")
-def references(model_path):
-    return ReferenceRuns(model_path)
+def references(request, model_path):
+    return ReferenceRuns(model_path, request.config.getoption("--new-tokens"))
+
+
+@pytest.fixture(scope="session")
+def bounds(prompts, references):
+    """The model's near-tie epsilon and allowed logit difference, from its floor on the floor prompts."""
+    chosen = floor_prompts(prompts.values())
+    runs = [(p.id, p.ids, references.get(p)) for p in chosen]  # builds the HF simulation first
+    return derive_bounds(references.config, references.weights, runs)
 
 
 @pytest.fixture(scope="module")
@@ -105,15 +123,16 @@ def model(model_path, backend):
 
 
 def decode_modes(model):
-    """Eager everywhere; on CUDA also the captured decode graph (DESIGN.md, The rungs)."""
+    """Eager everywhere; on CUDA also the captured decode graph (docs/LADDER.md)."""
     if model.backend.name == "cuda" and hasattr(model, "enable_cuda_graph"):
         return ["eager", "graph"]
     return ["eager"]
 
 
-def test_greedy_tokens_match_the_hf_simulation(model, prompts, references, prompt_id, record_property):
+def test_greedy_tokens_match_the_hf_simulation(model, prompts, references, bounds, prompt_id, record_property):
     prompt = prompts[prompt_id]
     ref = references.get(prompt)
+    record_property("nanoqwen_graph_bounds", bounds.record())
     reports, logits_by_mode = [], {}
     for mode in decode_modes(model):
         if mode == "graph":
@@ -125,7 +144,7 @@ def test_greedy_tokens_match_the_hf_simulation(model, prompts, references, promp
                 model.enable_cuda_graph(False)
         logits_by_mode[mode] = logits
         name = model.backend.name + ("" if mode == "eager" else "+graph")
-        result = compare_greedy(prompt.id, ref, logits, backend=name)
+        result = compare_greedy(prompt.id, ref, logits, backend=name, bounds=bounds)
         record_property("nanoqwen_graph", result.record())
         reports.append(result)
     bad = [r for r in reports if not r.passed]
@@ -139,16 +158,17 @@ def test_greedy_tokens_match_the_hf_simulation(model, prompts, references, promp
                         pytrace=False)
 
 
-def test_model_is_not_too_flat(prompts, references, record_property):
-    """DESIGN.md: more than MAX_NEAR_TIE_FRACTION of near-tie positions and the rung refuses the model."""
-    flat = flatness([references.get(p) for p in prompts.values()])
-    record_property("nanoqwen_graph_flatness", {"positions": flat.positions, "flat": flat.flat,
+def test_model_is_not_too_flat(prompts, references, bounds, record_property):
+    """More than MAX_NEAR_TIE_FRACTION of positions under the model's near-tie epsilon: the rung refuses it."""
+    flat = flatness([references.get(p) for p in prompts.values()], bounds)
+    record_property("nanoqwen_graph_bounds", bounds.record())
+    record_property("nanoqwen_graph_flatness", {"positions": flat.positions, "flat": flat.flat, "eps": flat.eps,
                                                 "fraction": flat.fraction, "min_margin": flat.min_margin})
     if flat.refused:
         pytest.fail(flat.describe(), pytrace=False)
 
 
-def test_the_reference_kv_cache_run_is_a_full_recompute(prompts, references):
+def test_the_reference_kv_cache_run_is_a_full_recompute(prompts, references, bounds):
     """The reference's incremental run (HF KV cache) against HF's full forward over the same tokens.
 
     Judged by the graph rung's own rule: the cache must not change a greedy token beyond a near-tie.
@@ -159,6 +179,7 @@ def test_the_reference_kv_cache_run_is_a_full_recompute(prompts, references):
     for prompt in (chosen[0], chosen[len(chosen) // 2], chosen[-1]):
         ref = references.get(prompt)
         full = hf_logits(references.model(), list(prompt.ids) + [int(t) for t in ref.tokens[:-1]])
-        result = compare_greedy(prompt.id, ref, full[len(prompt.ids) - 1:], backend="hf-full-recompute")
+        result = compare_greedy(prompt.id, ref, full[len(prompt.ids) - 1:], backend="hf-full-recompute",
+                                bounds=bounds)
         if not result.passed:
             pytest.fail(result.describe(), pytrace=False)

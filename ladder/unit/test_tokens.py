@@ -1,7 +1,9 @@
 """Unit rung for the graph rung's judge: ladder/tokens.py on synthetic logits, and the prompt files.
 
 A comparison that cannot fail is worse than none: a real mismatch must fail and say where, a near-tie
-must be recorded and teacher-forced, NaN must fail, and a model too flat to judge must be refused.
+must be recorded and teacher-forced, NaN must fail, and a model too flat to judge must be refused. The
+judge's bounds here are those a floor of FLOOR implies (ladder/tokens.py `bounds_from_floor`); how a
+real model's floor is measured is ladder/unit/test_graph_bounds.py.
 """
 
 from __future__ import annotations
@@ -12,11 +14,14 @@ import numpy as np
 import pytest
 
 from fixtures.prompts import PromptFileError, default_prompts_path, load_prompts, read_prompt_ids
-from ladder.tokens import (PAGE, Reference, compare_greedy, engine_logits, flatness, new_tokens_for,
-                           summarize, top2_margin)
-from ladder.tolerances import MAX_LOGIT_DIFF, MAX_NEAR_TIE_FRACTION, NEAR_TIE_EPS
+from ladder.tokens import (PAGE, Reference, bounds_from_floor, compare_greedy, engine_logits, flatness,
+                           new_tokens_for, summarize, tokens_to_generate, top2_margin)
+from ladder.tolerances import MAX_NEAR_TIE_FRACTION
 
 V, N, PROMPT_LEN = 32, 12, 5
+FLOOR = 0.01  # a model whose plain fp32 forward with fp16 storage is this far from the simulation
+BOUNDS = bounds_from_floor(FLOOR, ref_scale=4.0)
+NEAR_TIE_EPS = BOUNDS.eps
 
 
 def clear_reference(seed: int = 0) -> Reference:
@@ -35,7 +40,7 @@ def runner_up(ref: Reference, step: int) -> int:
 def test_identical_tokens_pass_exactly():
     ref = clear_reference()
     eng = ref.logits + np.float32(NEAR_TIE_EPS / 4)
-    res = compare_greedy("p", ref, eng, backend="numpy")
+    res = compare_greedy("p", ref, eng, backend="numpy", bounds=BOUNDS)
     assert res.passed and res.exact == N and not res.near_ties and not res.failures
     assert res.max_logit_diff == np.abs(eng.astype(np.float64) - ref.logits).max()
     assert res.min_margin == pytest.approx(float(top2_margin(ref.logits).min()))
@@ -47,7 +52,7 @@ def test_a_real_mismatch_fails_with_prompt_position_tokens_and_margin():
     step = 7
     wrong = runner_up(ref, step)
     eng[step, wrong] = eng[step].max() + 1
-    res = compare_greedy("p042", ref, eng, backend="numpy")
+    res = compare_greedy("p042", ref, eng, backend="numpy", bounds=BOUNDS)
     assert not res.passed and res.exact == N - 1 and not res.near_ties
     (d,) = res.failures
     margin = float(ref.logits[step, ref.tokens[step]]) - float(ref.logits[step, wrong])
@@ -74,7 +79,7 @@ def test_a_near_tie_is_recorded_and_the_comparison_goes_on():
     other = runner_up(ref, step)
     eng[step, other] = eng[step].max() + NEAR_TIE_EPS / 16  # the engine picks the runner-up
     eng[step + 2, runner_up(ref, step + 2)] = eng[step + 2].max() + 1  # and later really diverges
-    res = compare_greedy("p7", ref, eng, backend="numpy")
+    res = compare_greedy("p7", ref, eng, backend="numpy", bounds=BOUNDS)
     (tie,) = res.near_ties
     assert (tie.position, tie.ref_token, tie.engine_token) == (PROMPT_LEN + step, int(ref.tokens[step]), other)
     assert tie.margin == float(ref.logits[step, tie.ref_token]) - float(ref.logits[step, other]) < NEAR_TIE_EPS
@@ -87,7 +92,7 @@ def test_only_a_near_tie_passes():
     ref = near_tie_reference(step)
     eng = ref.logits.copy()
     eng[step, runner_up(ref, step)] = eng[step].max() + NEAR_TIE_EPS / 16
-    res = compare_greedy("p7", ref, eng)
+    res = compare_greedy("p7", ref, eng, bounds=BOUNDS)
     assert res.passed and len(res.near_ties) == 1 and res.exact == N - 1
 
 
@@ -133,7 +138,7 @@ def test_nan_in_the_engine_logits_fails():
     ref = clear_reference()
     eng = ref.logits.copy()
     eng[4, 0] = np.nan
-    res = compare_greedy("p", ref, eng)
+    res = compare_greedy("p", ref, eng, bounds=BOUNDS)
     assert not res.passed and res.nan_positions == 1 and "NaN" in res.describe()
 
 
@@ -143,24 +148,26 @@ def test_a_flat_model_is_refused():
     n_flat = int(np.floor(MAX_NEAR_TIE_FRACTION * N)) + 1  # just over the limit
     for step in range(n_flat):
         flat.logits[step, runner_up(flat, step)] = flat.logits[step, flat.tokens[step]] - NEAR_TIE_EPS / 2
-    assert not flatness([ref]).refused
-    verdict = flatness([flat])
+    assert not flatness([ref], BOUNDS).refused
+    verdict = flatness([flat], BOUNDS)
     assert verdict.refused and verdict.flat == n_flat and "too flat to judge" in verdict.describe()
     # a flat prompt among enough clear ones stays within the limit: the rule counts positions
     many = [clear_reference(s) for s in range(int(np.ceil(n_flat / (MAX_NEAR_TIE_FRACTION * N))))]
-    assert not flatness(many + [flat]).refused
-    assert flatness([]).refused, "no positions at all is nothing to judge"
+    assert not flatness(many + [flat], BOUNDS).refused
+    assert flatness([], BOUNDS).refused, "no positions at all is nothing to judge"
 
 
 def test_summary_adds_up_per_backend():
     ref = clear_reference()
     eng = ref.logits.copy()
     eng[2, runner_up(ref, 2)] = eng[2].max() + 1
-    results = [compare_greedy("a", ref, ref.logits, "numpy"), compare_greedy("b", ref, eng, "numpy").record(),
-               compare_greedy("a", ref, ref.logits, "cuda")]
+    results = [compare_greedy("a", ref, ref.logits, "numpy", bounds=BOUNDS),
+               compare_greedy("b", ref, eng, "numpy", bounds=BOUNDS).record(),
+               compare_greedy("a", ref, ref.logits, "cuda", bounds=BOUNDS)]
     by = {s.backend: s for s in summarize(results)}
     assert (by["numpy"].prompts, by["numpy"].failed_prompts, by["numpy"].exact, by["numpy"].failures) == (2, 1, 2 * N - 1, 1)
     assert by["cuda"].exact == N and by["cuda"].min_margin == pytest.approx(float(ref.margins.min()))
+    assert (by["numpy"].allowed, by["numpy"].eps) == (BOUNDS.max_logit_diff, BOUNDS.eps)
 
 
 @pytest.mark.parametrize("L", range(1, 3 * PAGE + 2))
@@ -216,10 +223,26 @@ def test_bad_prompt_files_are_refused_by_line(tmp_path, lines, message):
         load_prompts(f)
 
 
-def test_logits_drifting_past_half_the_epsilon_fail_even_with_equal_tokens():
+def test_logits_drifting_past_the_allowed_difference_fail_even_with_equal_tokens():
     ref = clear_reference(1)
     eng = ref.logits.copy()
-    eng[2, runner_up(ref, 2)] += np.float32(2 * MAX_LOGIT_DIFF)  # same greedy token, a drifted logit
-    res = compare_greedy("p9", ref, eng)
+    eng[2, runner_up(ref, 2)] += np.float32(2 * BOUNDS.max_logit_diff)  # same greedy token, a drifted logit
+    res = compare_greedy("p9", ref, eng, bounds=BOUNDS)
     assert res.exact == N and not res.failures and not res.passed
-    assert "MAX_LOGIT_DIFF" in res.describe()
+    assert f"> allowed {BOUNDS.max_logit_diff:.4g}" in res.describe()
+    within = ref.logits.copy()
+    within[2, runner_up(ref, 2)] += np.float32(0.9 * BOUNDS.max_logit_diff)
+    assert compare_greedy("p9", ref, within, bounds=BOUNDS).passed
+
+
+def test_the_epsilon_is_twice_the_allowed_difference_and_never_zero():
+    assert BOUNDS.eps == 2 * BOUNDS.max_logit_diff and BOUNDS.max_logit_diff >= 4 * FLOOR
+    exact = bounds_from_floor(0.0, ref_scale=30.0)  # a floor of 0 still leaves a few ulps of the logits
+    assert 0 < exact.max_logit_diff == pytest.approx(exact.ulps * np.finfo(np.float32).eps * 30.0)
+    assert bounds_from_floor(2 * FLOOR, 4.0).eps > BOUNDS.eps
+
+
+@pytest.mark.parametrize("override", [None, 1, 40])
+def test_new_tokens_override_the_page_rule(override):
+    for L in (1, 15, 16, 100):
+        assert tokens_to_generate(L, override) == (override or new_tokens_for(L))
