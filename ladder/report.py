@@ -3,7 +3,9 @@
 `nanoqwen ladder` runs each rung as its own pytest process with `--ladder-json RUNG.json` and
 `--junitxml junit-RUNG.xml`; this module folds the rung files into one report, renders it as
 Markdown, and compares it with an earlier report (`--baseline DIR`): an op whose worst error grew by
-more than BASELINE_GROWTH times its noise-floor multiple, or that newly fails, is a regression.
+more than BASELINE_GROWTH times its noise-floor multiple, or that newly fails, is a regression. The
+graph rung's token summary (per backend: prompts, tokens, exact, near-ties, failures, the max logit
+difference) travels with the bounds it was judged by and their derivation from the model's floor.
 """
 
 from __future__ import annotations
@@ -25,7 +27,19 @@ def merge(rung_results: dict[str, dict], meta: dict) -> dict:
         calls += [c for c in data.get("calls", []) if c["rung"] == rung]
         failures += data.get("failures", [])
     return {"meta": meta, "rungs": rungs, "skips": skips, "ops": ops, "calls": calls, "failures": failures,
-            "coverage": coverage(calls)}
+            "coverage": coverage(calls), "graph": graph_section(rung_results)}
+
+
+def graph_section(rung_results: dict[str, dict]) -> dict:
+    """The graph rung's token summary from the rung files (the plugin's `graph*` and `near_ties` keys):
+    per backend totals, the bounds (each distinct one once), the flatness check and the near-ties."""
+    out = {"backends": [], "bounds": [], "flatness": [], "near_ties": []}
+    for data in rung_results.values():
+        out["backends"] += data.get("graph", [])
+        out["bounds"] += [b for b in data.get("graph_bounds", []) if b not in out["bounds"]]
+        out["flatness"] += data.get("graph_flatness", [])
+        out["near_ties"] += data.get("near_ties", [])
+    return out
 
 
 def coverage(calls: list[dict]) -> dict:
@@ -79,6 +93,7 @@ def markdown(report: dict) -> str:
         flag = "" if o.get("passed", True) else " FAILED"
         lines.append(f"| {o['rung']} | {o['backend']} | {o['op']} | {_multiple(o['multiple'])}{flag} | "
                      f"{o.get('max_abs', 0):.3g} | {o.get('case', '')} |")
+    lines += _graph_markdown(report.get("graph") or {})
     if report["coverage"]:
         lines += ["", "## Coverage: rungs that called each op", "", "| backend | op | rungs |", "| --- | --- | --- |"]
         for b, ops in report["coverage"].items():
@@ -89,6 +104,40 @@ def markdown(report: dict) -> str:
     if report["failures"]:
         lines += ["", "## Failures", "", *[f"- `{f}`" for f in report["failures"]]]
     return "\n".join(lines) + "\n"
+
+
+def _graph_markdown(g: dict) -> list[str]:
+    if not (g.get("backends") or g.get("bounds")):
+        return []
+    lines = ["", "## Graph rung: greedy tokens against the HF simulation", "",
+             "| backend | prompts | failed prompts | tokens | exact | near-ties | failures | max logit diff | allowed | near-tie eps |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for s in g.get("backends", []):
+        lines.append(f"| {s['backend']} | {s['prompts']} | {s['failed_prompts']} | {s['positions']} | {s['exact']} | "
+                     f"{s['near_ties']} | {s['failures']} | {s['max_logit_diff']:.4g} | {s.get('allowed', float('nan')):.4g} | "
+                     f"{s.get('eps', float('nan')):.4g} |")
+    for b in g.get("bounds", []):
+        lines += ["", "Bounds, derived from the model's noise floor (docs/LADDER.md, Token comparison):", "",
+                  f"- floor {b['floor']:.4g} (99.9th percentile {b['floor_q999']:.4g}): the max abs logit difference "
+                  f"of the plain fp32 forward with fp16 storage from the HF simulation, over {b['positions']} new "
+                  f"positions of {len(b['prompts'])} prompts: {', '.join(b['prompts'])}",
+                  f"- allowed logit difference: {b['factor']:g} x floor + {b['ulps']:g} ulp x {b['ref_scale']:.3g} "
+                  f"(the largest reference logit) = {b['max_logit_diff']:.4g}",
+                  f"- near-tie epsilon: {b['eps'] / b['max_logit_diff'] if b['max_logit_diff'] else 0:g} x allowed = "
+                  f"{b['eps']:.4g}",
+                  f"- a model with more than {100 * b['max_near_tie_fraction']:g}% of its positions under the epsilon is "
+                  f"refused as too flat to judge"]
+    for f in g.get("flatness", []):
+        lines += ["", f"Reference flatness: {f['flat']} of {f['positions']} positions ({100 * f['fraction']:.2f}%) under "
+                      f"the near-tie epsilon; smallest top-1/top-2 margin {f['min_margin']:.4g}"]
+    ties = g.get("near_ties", [])
+    if ties:
+        lines += ["", f"Near-ties ({len(ties)}, teacher-forced):", ""]
+        lines += [f"- prompt `{d['prompt_id']}` position {d['position']}: reference token {d['ref_token']}, engine "
+                  f"token {d['engine_token']}, margin {d['margin']:.4g}" for d in ties[:20]]
+        if len(ties) > 20:
+            lines.append(f"- ... and {len(ties) - 20} more")
+    return lines
 
 
 def write(folder: Path, report: dict) -> None:

@@ -1,0 +1,199 @@
+"""Unit rung for the graph rung's bounds: derived per model from its measured floor, they follow the
+model's logit scale, pass a correct engine and still fail a wrong one, on models of several sizes.
+
+The models are the seeded random Qwen2 (fixtures/tiny_model.py) at the hidden sizes of Qwen2.5-0.5B,
+1.5B and 7B (their head counts and RoPE theta), cut to one layer, an MLP as wide as the hidden size and a
+512-token vocab so they build in seconds, and at lm_head logit scales from 1 to 32: the fixed bound of
+the default model (0.025) sits below a correct engine's logit difference at the largest of them. The
+engine is the NumPy backend; the HF simulation and the floor run on a few short prompts.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch", reason="the floor is measured against the HF simulation, which needs torch")
+pytest.importorskip("transformers", reason="the floor is measured against the HF simulation (transformers)")
+
+import engine
+from engine.config import SHAPES
+from fixtures.dequantized import dequantized_weights
+from fixtures.prompts import Prompt
+from fixtures.tiny_model import random_model_file
+from kernels import get_backend
+from ladder import report as R
+from ladder.faults import plant
+from ladder.tokens import (GraphBounds, compare_greedy, derive_bounds, engine_logits, floor_prompts,
+                           reference_greedy, summarize)
+from ladder.tolerances import FLOOR_PROMPTS, NEAR_TIE_EPS_PER_LOGIT_DIFF, TOL
+from reference.hf import hf_model
+
+REPO = Path(__file__).resolve().parents[2]
+# The real shapes' hidden sizes, heads and theta; Qwen2.5-1.5B is not among SHAPES: its config.json
+# differs from 0.5B's in hidden size, MLP size and query heads.
+REAL = {"0.5b": SHAPES["qwen2.5-0.5b"],
+        "1.5b": SHAPES["qwen2.5-0.5b"].replace(hidden_size=1536, intermediate_size=8960, num_attention_heads=12),
+        "7b": SHAPES["qwen2.5-coder-7b"]}
+MODELS = [("0.5b", 1.0), ("0.5b", 4.0), ("0.5b", 32.0), ("1.5b", 4.0), ("7b", 4.0)]
+PROMPT_LENGTHS = (3, 17)  # one inside the first page, one past its edge
+NEW_TOKENS = 8
+
+
+def small(shape):
+    """One layer of a real shape (its hidden size, heads, KV heads, theta) with a small MLP and vocab."""
+    return shape.replace(num_hidden_layers=1, intermediate_size=shape.hidden_size, vocab_size=512,
+                         tie_word_embeddings=False, max_position_embeddings=256)
+
+
+class Case:
+    """One seeded model: its file, the HF simulation's greedy runs on the prompts, the derived bounds and
+    the correct engine's logits."""
+
+    def __init__(self, size: str, logit_scale: float):
+        import torch
+
+        self.path = random_model_file(seed=0, config=small(REAL[size]), logit_scale=logit_scale)
+        self.config, self.weights = dequantized_weights(self.path)
+        rng = np.random.default_rng(7)
+        vocab = self.config["vocab_size"]
+        self.prompts = [Prompt(f"p{n}", tuple(int(t) for t in rng.integers(0, vocab - 1, n))) for n in PROMPT_LENGTHS]
+        before = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            hf = hf_model(self.config, self.weights)
+            self.refs = {p.id: reference_greedy(hf, p.ids, NEW_TOKENS) for p in self.prompts}
+        finally:
+            torch.set_num_threads(before)
+        self.bounds = derive_bounds(self.config, self.weights,
+                                    [(p.id, p.ids, self.refs[p.id]) for p in floor_prompts(self.prompts)])
+        self.logits = self.engine_logits(get_backend("numpy"))
+
+    def engine_logits(self, backend) -> dict[str, np.ndarray]:
+        model = engine.load(self.path, backend=backend)
+        return {p.id: engine_logits(model, p.ids, self.refs[p.id].tokens) for p in self.prompts}
+
+    def judge(self, logits: dict[str, np.ndarray]):
+        return [compare_greedy(p.id, self.refs[p.id], logits[p.id], "numpy", bounds=self.bounds) for p in self.prompts]
+
+
+@functools.lru_cache(maxsize=None)
+def case(size: str, logit_scale: float) -> Case:
+    return Case(size, logit_scale)
+
+
+def model_id(m) -> str:
+    return f"{m[0]}-x{m[1]:g}"
+
+
+def test_the_bounds_grow_with_the_logit_scale():
+    scales = sorted(s for size, s in MODELS if size == "0.5b")
+    bounds = [case("0.5b", s).bounds for s in scales]
+    for (s0, b0), (s1, b1) in zip(zip(scales, bounds), zip(scales[1:], bounds[1:])):
+        assert b1.floor > b0.floor and b1.max_logit_diff > b0.max_logit_diff and b1.eps > b0.eps, (b0, b1)
+        # fp16 storage errors are relative: the floor follows the logits' scale, within a factor of 2
+        assert 0.5 * s1 / s0 < b1.floor / b0.floor < 2 * s1 / s0, (s0, b0.floor, s1, b1.floor)
+
+
+@pytest.mark.parametrize("m", MODELS, ids=model_id)
+def test_the_bounds_are_derived_from_the_measured_floor(m):
+    b = case(*m).bounds
+    tol = TOL[("graph_logits", "float32")]
+    assert 0 < b.floor_q999 <= b.floor and b.positions == len(PROMPT_LENGTHS) * NEW_TOKENS
+    assert b.max_logit_diff == tol.bound(b.floor, b.ref_scale, np.float32)
+    assert b.eps == NEAR_TIE_EPS_PER_LOGIT_DIFF * b.max_logit_diff
+    assert GraphBounds.from_record(json.loads(json.dumps(b.record()))) == b
+    text = b.describe()
+    for part in (f"floor {b.floor:.4g}", f"allowed logit difference {tol.factor:g} x floor", f"{b.eps:.4g}", "p3, p17"):
+        assert part in text
+
+
+@pytest.mark.parametrize("m", MODELS, ids=model_id)
+def test_a_correct_engine_passes_on_every_model(m):
+    c = case(*m)
+    results = c.judge(c.logits)
+    assert all(r.passed for r in results), "\n".join(r.describe() for r in results)
+
+
+@pytest.mark.parametrize("m", MODELS, ids=model_id)
+def test_an_engine_logit_past_the_allowed_difference_fails(m):
+    c = case(*m)
+    p = c.prompts[-1]
+    ref, step = c.refs[p.id], NEW_TOKENS // 2
+    other = int(np.argsort(ref.logits[step])[0])  # the least likely token: its logit moves, the argmax does not
+    for over, passes in ((1.01, False), (0.99, True)):
+        logits = {k: v.copy() for k, v in c.logits.items()}
+        logits[p.id][step, other] = ref.logits[step, other] + np.float32(over * c.bounds.max_logit_diff)
+        (result,) = [r for r in c.judge(logits) if r.prompt_id == p.id]
+        assert result.passed == passes and result.exact == NEW_TOKENS, result.describe()
+
+
+@pytest.mark.parametrize("m", MODELS, ids=model_id)
+def test_a_planted_fault_fails_on_every_model(m):
+    """Swapped nibbles in one INT4 word per row: on the small models the greedy tokens may all survive
+    it, the logits do not."""
+    c = case(*m)
+    backend = get_backend("numpy")
+    plant(backend, "nibble_swap")
+    results = c.judge(c.engine_logits(backend))
+    assert not all(r.passed for r in results)
+    assert any("FAIL" in r.describe() for r in results)
+
+
+def test_every_worker_picks_the_same_floor_prompts():
+    prompts = [Prompt(f"q{i:02d}", tuple(range(1 + (i * 37) % 50))) for i in range(40)]
+    chosen = floor_prompts(prompts)
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        shuffled = [prompts[i] for i in rng.permutation(len(prompts))]
+        assert floor_prompts(shuffled) == chosen
+    lengths = [len(p.ids) for p in chosen]
+    assert len(chosen) == FLOOR_PROMPTS and lengths == sorted(lengths)
+    assert lengths[0] == min(len(p.ids) for p in prompts) and lengths[-1] == max(len(p.ids) for p in prompts)
+    assert floor_prompts(prompts[:5]) == sorted(prompts[:5], key=lambda p: (len(p.ids), p.id))
+
+
+def test_the_report_carries_the_graph_summary_and_its_bounds(tmp_path):
+    c = case("0.5b", 4.0)
+    records = [r.record() for r in c.judge(c.logits)]
+    graph_json = {"rungs": {"graph": {"passed": 3}}, "skips": {}, "ops": [], "calls": [], "failures": [],
+                  "exit": 0, "seconds": 2.0,
+                  "graph": [vars(s) for s in summarize(records)], "graph_bounds": [c.bounds.record()],
+                  "graph_flatness": [{"positions": 16, "flat": 1, "fraction": 1 / 16, "min_margin": 0.01}],
+                  "near_ties": [{"prompt_id": "p3", "position": 5, "step": 2, "ref_token": 7, "engine_token": 9,
+                                 "margin": 0.004}]}
+    unit_json = {"rungs": {"unit": {"passed": 1}}, "graph": [], "graph_bounds": [], "exit": 0, "seconds": 1.0}
+    rep = R.merge({"unit": unit_json, "graph": graph_json}, {"model": "m"})
+    rep["meta"]["result"] = "passed"
+    g = rep["graph"]
+    assert g["bounds"] == [c.bounds.record()] and len(g["backends"]) == 1 and len(g["near_ties"]) == 1
+    (s,) = g["backends"]
+    assert (s["prompts"], s["positions"], s["exact"]) == (2, 2 * NEW_TOKENS, 2 * NEW_TOKENS)
+    R.write(tmp_path, rep)
+    assert R.load(tmp_path)["graph"] == json.loads(json.dumps(g))
+    md = (tmp_path / "report.md").read_text()
+    assert "## Graph rung" in md and f"| numpy | 2 | 0 | {2 * NEW_TOKENS} | {2 * NEW_TOKENS} | 0 | 0 |" in md
+    for part in (f"floor {c.bounds.floor:.4g}", f"= {c.bounds.max_logit_diff:.4g}", f"= {c.bounds.eps:.4g}",
+                 "p3, p17", "prompt `p3` position 5"):
+        assert part in md
+
+
+def run_pytest(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def test_new_tokens_must_be_positive():
+    r = run_pytest("ladder/graph/test_determinism.py", "--new-tokens", "0")
+    assert r.returncode == 4 and "--new-tokens must be an integer >= 1" in r.stderr, r.stderr[-2000:]
+
+
+def test_skip_determinism_skips_with_its_reason():
+    r = run_pytest("ladder/graph/test_determinism.py", "--backend", "numpy", "--skip-determinism", "-rs")
+    assert r.returncode == 0 and "skipped by --skip-determinism" in r.stdout, r.stdout[-2000:]
