@@ -33,7 +33,9 @@ MAGIC = b"NANOQWEN"
 VERSION = 1
 PREAMBLE = struct.Struct("<8sIQ")  # magic, version, header length: 20 bytes
 ALIGN = 64
-MAX_HEADER = 64 << 20  # a header past 64 MiB is not a header; refuse before allocating it
+# The 7B model's header is about 100 KiB (some 540 table entries): 8 MiB is 80x that, and bounds what
+# parsing a hostile header can cost (json holds up to ~26 bytes per byte of `{}` soup: ~210 MB).
+MAX_HEADER = 8 << 20  # a header past 8 MiB is not a header; refuse before allocating it
 DTYPES = {"float16": np.float16, "float32": np.float32, "uint32": np.uint32, "int32": np.int32,
           "uint8": np.uint8, "int8": np.int8}
 
