@@ -17,7 +17,7 @@ from engine.errors import ConfigError, brief
 
 GROUP_SIZE = 128  # quantization group along the input dimension; every quantized dim is a multiple
 MAX_INT = 2**31 - 1  # every dimension and token id fits an int32 (the kernels index with int32)
-PAGE_SIZE = 16  # tokens per KV page (DESIGN.md, KV cache)
+PAGE_SIZE = 16  # tokens per KV page (docs/ARCHITECTURE.md, The KV cache)
 
 
 @dataclasses.dataclass(frozen=True)
