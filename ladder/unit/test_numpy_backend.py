@@ -1,0 +1,182 @@
+"""Unit rung: how the NumPy backend stays fast at a real size, pinned as properties (kernels/numpy/).
+
+`prepare_linear` repacks each quantized weight once: its dequantized fp32 transpose while the backend's
+budget lasts, int8 values dequantized per call past it; `lm_head` widens a read-only fp16 table once per
+table object; the matmuls run on a set number of BLAS threads. The fp32 layout must be exactly the
+dequantized weight, every layout must pass the unit rung's linear check, the budget must decide the
+layout and come back when a weight is freed, and the lm_head cache must never serve the copy of another
+table or of a table that can change.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from engine.formats import get_format
+from fixtures.strategies import fp16, linear_shapes, quantizable_weight, rng_for, seeds
+from kernels import QuantizedWeight
+from kernels.numpy import NumpyBackend, blas, int4
+from ladder.compare import assert_close, assert_equal
+from reference import ops as R
+
+F16, F32 = np.float16, np.float32
+INT4 = get_format("int4_sym_g128")
+
+
+def _prepared(be, w):
+    t = INT4.quantize(w)
+    return be.prepare_linear(INT4.name, t, w.shape[0], w.shape[1]), t
+
+
+def _read_only(a):
+    a = np.array(a, copy=True)
+    a.flags.writeable = False
+    return a
+
+
+def _logits(be, x, table):
+    out = np.full((x.shape[0], table.shape[0]), np.nan, F32)
+    be.lm_head(x, table, out)
+    return out
+
+
+# --- prepare_linear -------------------------------------------------------------------------------
+
+
+@given(out_f=st.integers(1, 40), groups=st.integers(1, 4), seed=seeds)
+@example(out_f=2, groups=1, seed=0)
+def test_repacked_weights_are_exactly_the_stored_weight(out_f, groups, seed):
+    w = quantizable_weight(rng_for(seed), out_f, 128 * groups)
+    qw, t = _prepared(NumpyBackend(), w)
+    wt = qw["wt_f32"]
+    assert wt.dtype == F32 and wt.shape == (128 * groups, out_f) and wt.flags.c_contiguous
+    assert_equal("repack_fp32", wt.T, R.ref_dequant_int4_sym_g128(t["qweight"], t["scales"]), backend="numpy", seed=seed)
+    qi8, _ = _prepared(NumpyBackend(repack_bytes=0), w)
+    assert "wt_f32" not in qi8.tensors
+    assert_equal("repack_int8", qi8["q_i8"].astype(np.int64) + 8, R.ref_unpack_int4(t["qweight"]), backend="numpy", seed=seed)
+    for q in (qw, qi8):  # the stored tensors stay as they came
+        assert_equal("stored_qweight", q["qweight"], t["qweight"], backend="numpy", seed=seed)
+        assert_equal("stored_scales", q["scales"], t["scales"], backend="numpy", seed=seed)
+
+
+@pytest.mark.parametrize("layout", ["fp32", "int8", "packed"])
+@given(shape=linear_shapes(), seed=seeds)
+@example(shape=(1, 512, 136, 0), seed=0)
+def test_every_weight_layout_passes_the_linear_check(layout, shape, seed):
+    T, in_f, out_f, _ = shape
+    rng = rng_for(seed)
+    x = fp16(rng, (T, in_f))
+    w = quantizable_weight(rng, out_f, in_f)
+    resid = (rng.standard_normal((T, out_f)) * 4).astype(F32)
+    be = NumpyBackend(repack_bytes=0 if layout == "int8" else None)
+    qw, t = _prepared(be, w)
+    if layout == "packed":  # made without prepare_linear: only the stored tensors
+        qw = QuantizedWeight(INT4.name, out_f, in_f, dict(t))
+    wref = R.REF_DEQUANT[INT4.name](t)
+    ref = resid + R.ref_linear(x, wref)
+    plain = resid + R.ref_linear(x, wref, dtype=F32)
+    out = resid.copy()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(int4, "BLOCK_FLOATS", 3 * in_f)  # blocks of 3 rows: several blocks and a short last one
+        be.o_proj_residual(x, qw, out)
+    assert_close("o_proj_residual", out, ref, plain, backend="numpy", case=f"{layout},T={T},in={in_f},out={out_f}", seed=seed)
+
+
+def test_the_budget_decides_the_layout_and_comes_back_when_a_weight_is_freed():
+    w = quantizable_weight(rng_for(0), 64, 256)
+    be = NumpyBackend(repack_bytes=w.size * 4)
+    first, _ = _prepared(be, w)
+    second, _ = _prepared(be, w)
+    assert "wt_f32" in first.tensors and "q_i8" in second.tensors
+    assert be.repacked_bytes == w.size * 4
+    del first
+    gc.collect()
+    assert be.repacked_bytes == 0
+    third, _ = _prepared(be, w)
+    assert "wt_f32" in third.tensors
+
+
+# --- lm_head --------------------------------------------------------------------------------------
+
+
+@given(V=st.sampled_from((128, 1000, 4096)), H=st.sampled_from((128, 256)), T=st.integers(1, 3), seed=seeds)
+@example(V=1000, H=128, T=1, seed=0)
+def test_lm_head_widens_a_read_only_table_once(V, H, T, seed):
+    rng = rng_for(seed)
+    x, table = fp16(rng, (T, H)), _read_only(fp16(rng, (V, H), 0.2))
+    be = NumpyBackend()
+    first = _logits(be, x, table)
+    assert be.repacked_bytes == V * H * 4
+    again = _logits(be, x, table)
+    assert be.repacked_bytes == V * H * 4
+    assert_equal("lm_head_cached", again, first, backend="numpy", seed=seed)
+    assert_close("lm_head", first, R.ref_lm_head(x, table), R.ref_lm_head(x, table, dtype=F32), backend="numpy",
+                 case=f"cached,V={V},H={H},T={T}", seed=seed)
+
+
+def test_lm_head_never_serves_the_copy_of_a_freed_table():
+    """A fresh table per example, freed after use: CPython hands a new array the freed one's id()."""
+    rng = rng_for(7)
+    be = NumpyBackend()
+    x = fp16(rng, (1, 128))
+    for i in range(12):
+        table = _read_only(fp16(rng, (1000, 128), 0.2))
+        out = _logits(be, x, table)
+        assert_close("lm_head", out, R.ref_lm_head(x, table), R.ref_lm_head(x, table, dtype=F32), backend="numpy",
+                     case=f"fresh table {i}")
+        del table
+        gc.collect()
+        assert be.repacked_bytes == 0  # the freed table's copy went with it
+
+
+def test_lm_head_widens_per_call_a_table_that_can_change():
+    rng = rng_for(3)
+    be = NumpyBackend()
+    x = fp16(rng, (1, 256))
+    writable = fp16(rng, (4096, 256), 0.2)
+    view = writable.view()
+    view.flags.writeable = False  # read-only itself, but its memory is writable through `writable`
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(int4, "BLOCK_FLOATS", 256 * 1000)  # the per-call path in blocks of 1000 rows
+        for table in (writable, view):
+            for step in range(2):
+                out = _logits(be, x, table)
+                assert_close("lm_head", out, R.ref_lm_head(x, table), R.ref_lm_head(x, table, dtype=F32),
+                             backend="numpy", case=f"per call, step {step}")
+                writable[step::7] *= F16(-1.5)  # changed in place between calls
+    assert be.repacked_bytes == 0
+
+
+def test_a_tied_table_serves_embed_and_lm_head():
+    rng = rng_for(5)
+    be = NumpyBackend()
+    table = _read_only(fp16(rng, (1000, 128)))
+    ids = np.array([0, 999, 17, 17], np.int32)
+    x = fp16(rng, (1, 128))
+    for _ in range(2):  # embed before and after lm_head has widened the shared table
+        rows = np.full((len(ids), 128), np.nan, F32)
+        be.embed(ids, table, rows)
+        assert_equal("embed", rows, R.ref_embed(ids, table), backend="numpy")
+        out = _logits(be, x, table)
+        assert_close("lm_head", out, R.ref_lm_head(x, table), R.ref_lm_head(x, table, dtype=F32), backend="numpy",
+                     case="tied table")
+    assert be.repacked_bytes == table.size * 4
+
+
+# --- BLAS threads ---------------------------------------------------------------------------------
+
+
+def test_blas_threads_sets_the_count_inside_and_restores_it():
+    if not blas.available():
+        pytest.skip("NumPy's BLAS is not an OpenBLAS whose thread count can be set")
+    before = blas.current()
+    with blas.blas_threads(1):
+        assert blas.current() == 1
+    assert blas.current() == before
+    with blas.blas_threads(None):  # None leaves it alone
+        assert blas.current() == before
