@@ -424,7 +424,10 @@ def test_random_damage_to_a_safetensors_header_converts_or_is_a_typed_error(smal
 
 # A conversion in a fresh interpreter, each tensor read slowed by 50 ms so that a signal sent once the
 # temporary file exists lands in the middle of the write on any machine.
-SLOW_MAIN = ("import sys, time; import engine.convert as c; read = c.SafetensorsFolder.read; "
+# A job started in the background by a non-interactive shell (a CI runner, the nightly job) inherits
+# SIGINT ignored; the child restores Python's own handler so Ctrl-C reaches it as it would at a terminal.
+SLOW_MAIN = ("import signal, sys, time; signal.signal(signal.SIGINT, signal.default_int_handler); "
+             "import engine.convert as c; read = c.SafetensorsFolder.read; "
              "c.SafetensorsFolder.read = lambda self, n: (time.sleep(0.05), read(self, n))[1]; "
              "from ladder.cli import main; sys.exit(main(sys.argv[1:]))")
 

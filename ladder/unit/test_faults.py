@@ -2,38 +2,26 @@
 rung in a subprocess, on the backend under test; the run must exit non-zero and its failure must name
 the op. A rung that stays green under its fault is a bug in the rung.
 
-The subprocess selects exactly one backend, so it must not inherit a requirement for another one: the
-nightly GPU job exports NANOQWEN_REQUIRE_GPU=1, which is kept for the cuda runs and dropped for the
-numpy runs (otherwise each would be a usage error, exit 4, and not a test of the fault)."""
+The subprocess selects exactly one backend and gets that backend's environment (ladder/nested.py): the
+nightly GPU job's NANOQWEN_REQUIRE_GPU=1 is kept for the cuda runs and dropped for the numpy runs
+(otherwise each would be a usage error, exit 4, and not a test of the fault)."""
 
 from __future__ import annotations
 
-import os
 import shlex
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from ladder.faults import FAULTS, parse
+from ladder.nested import run_pytest, skip_inside_nested_run
 
-REPO = Path(__file__).resolve().parents[2]
-# The rung a fault runs in selects by keyword (`-k attention`), which would select these tests too and
-# start rungs of their own: the variable marks the inner run, where this file skips.
-NESTED = "NANOQWEN_FAULT_SELFTEST"
-pytestmark = pytest.mark.skipif(os.environ.get(NESTED) == "1", reason="inside a planted-fault run of this file")
+pytestmark = skip_inside_nested_run  # the rungs below select by keyword, and would select these tests
 
 
 def run_rung(args: list[str], backend: str = "numpy") -> subprocess.CompletedProcess:
-    """`pytest ARGS` on one backend, in a subprocess of its own (no xdist, no cache folder)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), NESTED: "1"}
-    for var in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_ADDOPTS"):
-        env.pop(var, None)
-    if backend != "cuda":
-        env.pop("NANOQWEN_REQUIRE_GPU", None)
-    return subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-                           "--backend", backend, *args], cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
+    """`pytest -x ARGS` on one backend, in a subprocess of its own (ladder/nested.py)."""
+    return run_pytest(["-x", *args], backend)
 
 
 @pytest.mark.parametrize("name", sorted(FAULTS))

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import functools
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +28,7 @@ from fixtures.tiny_model import random_model_file
 from kernels import get_backend
 from ladder import report as R
 from ladder.faults import plant
+from ladder.nested import run_pytest, skip_inside_nested_run
 from ladder.tokens import (GraphBounds, compare_greedy, derive_bounds, engine_logits, floor_prompts,
                            reference_greedy, summarize)
 from ladder.tolerances import FLOOR_PROMPTS, NEAR_TIE_EPS_PER_LOGIT_DIFF, TOL
@@ -184,16 +183,13 @@ def test_the_report_carries_the_graph_summary_and_its_bounds(tmp_path):
         assert part in md
 
 
-def run_pytest(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", *args],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
-
-
+@skip_inside_nested_run
 def test_new_tokens_must_be_positive():
-    r = run_pytest("ladder/graph/test_determinism.py", "--new-tokens", "0")
+    r = run_pytest(["ladder/graph/test_determinism.py", "--new-tokens", "0"])
     assert r.returncode == 4 and "--new-tokens must be an integer >= 1" in r.stderr, r.stderr[-2000:]
 
 
+@skip_inside_nested_run
 def test_skip_determinism_skips_with_its_reason():
-    r = run_pytest("ladder/graph/test_determinism.py", "--backend", "numpy", "--skip-determinism", "-rs")
+    r = run_pytest(["ladder/graph/test_determinism.py", "--skip-determinism", "-rs"])
     assert r.returncode == 0 and "skipped by --skip-determinism" in r.stdout, r.stdout[-2000:]

@@ -21,25 +21,21 @@ from pathlib import Path
 
 import pytest
 
+from ladder.nested import child_env, skip_inside_nested_run
+
 REPO = Path(__file__).resolve().parents[2]
 EXE = shutil.which("nanoqwen")
-# A ladder started by a test here runs the unit rung, which holds this file: the variable keeps it from
-# starting ladders of its own (a selection such as `-k numpy` would otherwise recurse).
-NESTED = "NANOQWEN_USER_PATH_TEST"
 pytestmark = [
     pytest.mark.skipif(EXE is None, reason="nanoqwen is not installed here (pip install -e '.[test]'); the "
                                            "checkout runs python -m ladder"),
-    pytest.mark.skipif(os.environ.get(NESTED) == "1", reason="inside a ladder that a user-path test started"),
+    skip_inside_nested_run,  # the ladders started here run the unit rung, which holds this file
 ]
 
 
-def nanoqwen(*args: str, cwd: Path, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+def nanoqwen(*args: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
     """The installed command, as a user starts it: from `cwd`, nothing of the checkout on sys.path."""
-    env = {**os.environ, **(env or {}), NESTED: "1"}
-    for var in ("PYTHONPATH", "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_ADDOPTS",
-                "NANOQWEN_REQUIRE_GPU"):
-        env.pop(var, None)
-    return subprocess.run([EXE, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run([EXE, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env=child_env(backend=None, pythonpath=None))
 
 
 def report_of(folder: Path) -> dict:
@@ -155,10 +151,7 @@ def test_a_wheel_installed_elsewhere_runs_the_ladder(tmp_path):
     assert list((site / "kernels" / "cuda").glob("*.cu")) and (site / "fixtures" / "data" / "prompts.jsonl").exists()
     work = tmp_path / "work"
     work.mkdir()
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT",
-                                                            "PYTEST_ADDOPTS", "NANOQWEN_REQUIRE_GPU")}
-    env["PYTHONPATH"] = str(site)
-    env[NESTED] = "1"
+    env = child_env(backend=None, pythonpath=str(site))
     r = subprocess.run([sys.executable, "-m", "ladder", "ladder", "--rungs", "unit,layer", "-n", "0",
                         "--backend", "numpy", "--report", "rep", "--", "-k", "argmax or (golden and layer0)"],
                        cwd=work, env=env, capture_output=True, text=True, timeout=600)
