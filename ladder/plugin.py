@@ -316,7 +316,7 @@ class _Summary:
             "graph": [vars(x) for x in self.graph_summaries()],
             "graph_flatness": self.flatness,
             "graph_bounds": self.graph_bounds,
-            "near_ties": [d for r in self.graph for d in r["near_ties"]],
+            "near_ties": [{**d, "backend": r["backend"]} for r in self.graph for d in r["near_ties"]],
             "failures": self.failures,
         }
 

@@ -133,7 +133,7 @@ def _graph_markdown(g: dict) -> list[str]:
     ties = g.get("near_ties", [])
     if ties:
         lines += ["", f"Near-ties ({len(ties)}, teacher-forced):", ""]
-        lines += [f"- prompt `{d['prompt_id']}` position {d['position']}: reference token {d['ref_token']}, engine "
+        lines += [f"- {d.get('backend', '?')}: prompt `{d['prompt_id']}` position {d['position']}: reference token {d['ref_token']}, engine "
                   f"token {d['engine_token']}, margin {d['margin']:.4g}" for d in ties[:20]]
         if len(ties) > 20:
             lines.append(f"- ... and {len(ties) - 20} more")
