@@ -19,7 +19,7 @@ two layouts the matmul reads, beside the stored `qweight` and `scales` (kept as 
 
 - `wt_f32`: the dequantized weight, transposed: float32 `[in, out]`, C order (4 bytes/weight). Exact:
   (nibble - 8) * an fp16 scale needs at most 15 significant bits. One BLAS call per op (`x @ wt`, which
-  OpenBLAS ran 10-40% faster than `x @ w.T` at the 0.5 B shapes); a decode step is bound by reading it.
+  OpenBLAS ran up to 40% faster than `x @ w.T` at the 0.5 B shapes); a decode step is bound by reading it.
 - `q_i8`: the values `nibble - 8`, int8 `[out, in]` (1 byte/weight), dequantized per call a block of
   rows at a time (a block of ~1 MB of fp32, cache-sized) and multiplied block by block.
 
