@@ -157,7 +157,9 @@ def test_a_wheel_installed_elsewhere_runs_the_ladder(tmp_path):
                        cwd=work, env=env, capture_output=True, text=True, timeout=600)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
-    assert str(site / "ladder") in out or "ladder/" in out
+    where = subprocess.run([sys.executable, "-c", "import engine, ladder; print(ladder.__file__, engine.__file__)"],
+                           cwd=work, env=env, capture_output=True, text=True, timeout=120).stdout.split()
+    assert where and all(Path(w).is_relative_to(site) for w in where), f"imported from {where}, not {site}"
     rep = report_of(work / "rep")
     assert rep["rungs"]["unit"]["passed"] > 0 and rep["rungs"]["layer"]["passed"] > 0, rep["rungs"]
     assert "Unknown pytest.mark" not in out
