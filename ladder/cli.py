@@ -77,15 +77,22 @@ def end_progress_line() -> None:
 INT32_MAX = 2**31 - 1
 
 
-def non_negative_int(text: str) -> int:
-    """argparse type: an integer >= 0 (a token count)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
-    return value
+def int_at_least(minimum: int, what: str):
+    """argparse type: an integer >= `minimum`, refused as "expected WHAT, got ..." (one line, exit 2)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+        return value
+
+    parse.__name__ = what  # argparse names the type in its own messages
+    return parse
+
+
+non_negative_int = int_at_least(0, "a non-negative integer")  # a token count
 
 
 def token_ids_arg(text: str) -> str:

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from engine.errors import NanoqwenError
+from ladder.cli import int_at_least
 
 RUNGS = ("unit", "layer", "graph")
 PACKAGE = Path(__file__).resolve().parent  # ladder/: the rungs' test folders live here
@@ -182,7 +183,7 @@ def register(sub) -> None:
     lad.add_argument("--coverage", action="store_true", help="list each backend's ops and the rungs that called them")
     lad.add_argument("--plant-fault", help="plant a fault from ladder/faults.py (the run must go red)")
     lad.add_argument("--hypothesis-profile", choices=["ci", "nightly"], help="Hypothesis profile (default ci)")
-    lad.add_argument("--new-tokens", type=_positive_int, help="graph rung: tokens generated per prompt "
+    lad.add_argument("--new-tokens", type=int_at_least(1, "a positive integer"), help="graph rung: tokens generated per prompt "
                                                               "(default: past the next page boundary)")
     lad.add_argument("--skip-determinism", action="store_true",
                      help="graph rung: skip the three-run determinism test (slow machines)")
@@ -190,15 +191,3 @@ def register(sub) -> None:
     lad.add_argument("pytest_args", nargs="*", metavar="-- PYTEST ARGS",
                      help="extra arguments for every rung's pytest, after `--`")
     lad.set_defaults(func=cmd_ladder)
-
-
-def _positive_int(text: str) -> int:
-    import argparse
-
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
