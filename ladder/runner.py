@@ -100,7 +100,24 @@ def cmd_ladder(args) -> int:
 
         with ModelFile(args.model) as mf:  # a malformed model is one typed error (exit 2), not red rungs
             checked_config(mf)
+    if args.plant_fault:  # an unknown fault is the user's typo, not a red rung
+        from ladder.faults import parse
+
+        try:
+            parse(args.plant_fault)
+        except ValueError as e:
+            raise LadderArgumentError(f"--plant-fault {args.plant_fault}: {e}") from None
+    if args.prompts and "graph" in rungs:  # a bad prompt file, or ids outside the model's vocab, before any rung
+        from fixtures.prompts import PromptFileError, prompts_for_model
+
+        try:
+            prompts_for_model(args.model or resolve_model(None), args.prompts)
+        except PromptFileError as e:
+            raise LadderArgumentError(f"--prompts: {e}") from None
+    from engine.outpath import check_output_folder
+
     out = Path(args.report or f"reports/ladder-{datetime.datetime.now():%Y%m%d-%H%M%S}").expanduser().resolve()
+    check_output_folder(out)
     out.mkdir(parents=True, exist_ok=True)
 
     env = rung_environment()

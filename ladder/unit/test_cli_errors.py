@@ -32,11 +32,12 @@ EXE = shutil.which("nanoqwen")
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory):
     """A scratch folder with: hf/ (a seeded HF checkpoint without a tokenizer), notok.nanoqwen (its
-    conversion), a_file (a plain file)."""
+    conversion), a_file (a plain file), far.jsonl (a prompt past its vocab)."""
     root = tmp_path_factory.mktemp("cli")
     hf = build_random_model(root / "hf", SMALL, seed=5, with_tokenizer=False)
     convert(hf, root / "notok.nanoqwen")
     (root / "a_file").write_text("not a model")
+    (root / "far.jsonl").write_text('{"id": "far", "ids": [1, 2, 100000]}\n')  # past the seeded model's vocab
     return root
 
 
@@ -75,6 +76,16 @@ CASES = [
     (["descend", "--prompt-ids", "5", "--out", "{root}/descend"], "at least 2 tokens"),
     (["descend", "--out", "{root}/a_file/descend"], "is not a folder"),
     (["ladder", "--rungs", "nope"], "nope"),
+    (["ladder", "--model", "{root}/missing.nanoqwen"], "no such file or folder"),
+    (["ladder", "--model", "{root}/a_file"], "bad magic"),
+    (["ladder", "--prompts", "{root}/missing.jsonl"], "no such file or folder"),
+    (["ladder", "--prompts", "{root}/a_file", "--rungs", "graph"], "not JSON"),
+    (["ladder", "--model", "{root}/notok.nanoqwen", "--prompts", "{root}/far.jsonl", "--rungs", "graph"],
+     "outside the vocab"),
+    (["ladder", "--baseline", "{root}/hf"], "no report.json"),
+    (["ladder", "--report", "{root}/a_file/rep"], "is not a folder"),
+    (["ladder", "--plant-fault", "cosmic_ray"], "unknown fault"),
+    (["ladder", "--new-tokens", "0"], "--new-tokens"),
     (["frobnicate"], "invalid choice"),
     ([], "command"),
 ]
