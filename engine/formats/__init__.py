@@ -15,6 +15,9 @@ import numpy as np
 
 from engine.errors import UnknownFormatError
 
+# The format a model is converted to when no `--quant` / `quant=` is given.
+DEFAULT_FORMAT = "int4_sym_g128"
+
 
 class Format(Protocol):
     name: str
