@@ -29,7 +29,7 @@ MEMORY_EVERY = {"ci": 8, "nightly": 50}  # every N-th case runs again under trac
 CASE_CPU_S = 2.0
 # Peak Python memory (tracemalloc) of a case may exceed the file's size by this much plus the parsed
 # header's JSON objects: at most 5 bytes per header byte measured on the mutants (3 MB headers of
-# tensor entries), up to 26 for a header of nothing but empty objects. The header is at most 64 MiB
+# tensor entries), up to 26 for a header of nothing but empty objects. The header is at most 8 MiB
 # (engine.modelfile.MAX_HEADER), so the bound is the file's size plus a constant.
 MEMORY_ALLOWANCE = 16 << 20
 PER_HEADER_BYTE = 8
