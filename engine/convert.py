@@ -25,7 +25,7 @@ import numpy as np
 
 from engine.config import Qwen2Config
 from engine.errors import ConfigError, NanoqwenError, OutputPathError
-from engine.formats import get_format
+from engine.formats import DEFAULT_FORMAT, get_format
 from engine.modelfile import PendingTensor, write_model
 from engine.outpath import check_output_path
 from engine.weights import linear_names, plain_tensor_specs
@@ -272,7 +272,7 @@ def _check_entry(path: Path, key: str, meta, data_size: int) -> None:
 # --- the conversion -----------------------------------------------------------------------------
 
 
-def convert(hf_dir, out_path, quant: str = "int4_sym_g128", progress=None) -> Qwen2Config:
+def convert(hf_dir, out_path, quant: str = DEFAULT_FORMAT, progress=None) -> Qwen2Config:
     """Convert a Hugging Face Qwen2 folder; returns its config. `progress(i, n, name)` per tensor."""
     hf_dir = Path(hf_dir)
     out_path = check_output_path(out_path)
