@@ -22,7 +22,7 @@ from fixtures.strategies import fp16, linear_shapes, quantizable_weight, rng_for
 from kernels import QuantizedWeight
 from kernels.numpy import NumpyBackend, blas, int4
 from ladder.compare import assert_close, assert_equal
-from reference import ops as R
+from reference import ops as ref_ops
 
 F16, F32 = np.float16, np.float32
 INT4 = get_format("int4_sym_g128")
@@ -55,10 +55,10 @@ def test_repacked_weights_are_exactly_the_stored_weight(out_f, groups, seed):
     qw, t = _prepared(NumpyBackend(), w)
     wt = qw["wt_f32"]
     assert wt.dtype == F32 and wt.shape == (128 * groups, out_f) and wt.flags.c_contiguous
-    assert_equal("repack_fp32", wt.T, R.ref_dequant_int4_sym_g128(t["qweight"], t["scales"]), backend="numpy", seed=seed)
+    assert_equal("repack_fp32", wt.T, ref_ops.ref_dequant_int4_sym_g128(t["qweight"], t["scales"]), backend="numpy", seed=seed)
     qi8, _ = _prepared(NumpyBackend(repack_bytes=0), w)
     assert "wt_f32" not in qi8.tensors
-    assert_equal("repack_int8", qi8["q_i8"].astype(np.int64) + 8, R.ref_unpack_int4(t["qweight"]), backend="numpy", seed=seed)
+    assert_equal("repack_int8", qi8["q_i8"].astype(np.int64) + 8, ref_ops.ref_unpack_int4(t["qweight"]), backend="numpy", seed=seed)
     for q in (qw, qi8):  # the stored tensors stay as they came
         assert_equal("stored_qweight", q["qweight"], t["qweight"], backend="numpy", seed=seed)
         assert_equal("stored_scales", q["scales"], t["scales"], backend="numpy", seed=seed)
@@ -77,9 +77,9 @@ def test_every_weight_layout_passes_the_linear_check(layout, shape, seed):
     qw, t = _prepared(be, w)
     if layout == "packed":  # made without prepare_linear: only the stored tensors
         qw = QuantizedWeight(INT4.name, out_f, in_f, dict(t))
-    wref = R.REF_DEQUANT[INT4.name](t)
-    ref = resid + R.ref_linear(x, wref)
-    plain = resid + R.ref_linear(x, wref, dtype=F32)
+    wref = ref_ops.REF_DEQUANT[INT4.name](t)
+    ref = resid + ref_ops.ref_linear(x, wref)
+    plain = resid + ref_ops.ref_linear(x, wref, dtype=F32)
     out = resid.copy()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(int4, "BLOCK_FLOATS", 3 * in_f)  # blocks of 3 rows: several blocks and a short last one
@@ -115,7 +115,7 @@ def test_lm_head_widens_a_read_only_table_once(V, H, T, seed):
     again = _logits(be, x, table)
     assert be.repacked_bytes == V * H * 4
     assert_equal("lm_head_cached", again, first, backend="numpy", seed=seed)
-    assert_close("lm_head", first, R.ref_lm_head(x, table), R.ref_lm_head(x, table, dtype=F32), backend="numpy",
+    assert_close("lm_head", first, ref_ops.ref_lm_head(x, table), ref_ops.ref_lm_head(x, table, dtype=F32), backend="numpy",
                  case=f"cached,V={V},H={H},T={T}", seed=seed)
 
 
@@ -127,7 +127,7 @@ def test_lm_head_never_serves_the_copy_of_a_freed_table():
     for i in range(12):
         table = _read_only(fp16(rng, (1000, 128), 0.2))
         out = _logits(be, x, table)
-        assert_close("lm_head", out, R.ref_lm_head(x, table), R.ref_lm_head(x, table, dtype=F32), backend="numpy",
+        assert_close("lm_head", out, ref_ops.ref_lm_head(x, table), ref_ops.ref_lm_head(x, table, dtype=F32), backend="numpy",
                      case=f"fresh table {i}")
         del table
         gc.collect()
@@ -146,7 +146,7 @@ def test_lm_head_widens_per_call_a_table_that_can_change():
         for table in (writable, view):
             for step in range(2):
                 out = _logits(be, x, table)
-                assert_close("lm_head", out, R.ref_lm_head(x, table), R.ref_lm_head(x, table, dtype=F32),
+                assert_close("lm_head", out, ref_ops.ref_lm_head(x, table), ref_ops.ref_lm_head(x, table, dtype=F32),
                              backend="numpy", case=f"per call, step {step}")
                 writable[step::7] *= F16(-1.5)  # changed in place between calls
     assert be.repacked_bytes == 0
@@ -161,9 +161,9 @@ def test_a_tied_table_serves_embed_and_lm_head():
     for _ in range(2):  # embed before and after lm_head has widened the shared table
         rows = np.full((len(ids), 128), np.nan, F32)
         be.embed(ids, table, rows)
-        assert_equal("embed", rows, R.ref_embed(ids, table), backend="numpy")
+        assert_equal("embed", rows, ref_ops.ref_embed(ids, table), backend="numpy")
         out = _logits(be, x, table)
-        assert_close("lm_head", out, R.ref_lm_head(x, table), R.ref_lm_head(x, table, dtype=F32), backend="numpy",
+        assert_close("lm_head", out, ref_ops.ref_lm_head(x, table), ref_ops.ref_lm_head(x, table, dtype=F32), backend="numpy",
                      case="tied table")
     assert be.repacked_bytes == table.size * 4
 

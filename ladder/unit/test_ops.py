@@ -16,7 +16,7 @@ from fixtures.strategies import (PAGE_BOUNDARY_LENGTHS, PagedCase, fp16, linear_
                                  paged_cases, quantizable_weight, rng_for, seeds)
 from ladder.compare import assert_close, assert_equal
 from ladder.harness import dev, host, quantized, sentinel
-from reference import ops as R
+from reference import ops as ref_ops
 
 F16, F32 = np.float16, np.float32
 
@@ -27,10 +27,10 @@ def _round(a, dtype):
 
 def _quantized(backend, fmt, w):
     """(the backend's weight, the float64 reference weight) for a float32 weight in format `fmt`."""
-    if fmt.name not in R.REF_DEQUANT:
+    if fmt.name not in ref_ops.REF_DEQUANT:
         pytest.fail(f"format {fmt.name!r} has no reference reading in reference/ops.py REF_DEQUANT")
     qw, tensors = quantized(backend, fmt, w)
-    return qw, R.REF_DEQUANT[fmt.name](tensors)
+    return qw, ref_ops.REF_DEQUANT[fmt.name](tensors)
 
 
 # --- embed ---------------------------------------------------------------------------------------
@@ -43,7 +43,7 @@ def test_embed_copies_rows_exactly(backend, T, V, H, seed):
     table = fp16(rng, (V, H))
     ids = rng.integers(0, V, size=T).astype(np.int32)
     ids[0] = V - 1  # the last row: an off-by-one in the row stride reads past the table
-    ref = R.ref_embed(ids, table)
+    ref = ref_ops.ref_embed(ids, table)
     out = sentinel(backend, (T, H), F32)
     backend.embed(dev(backend, ids), dev(backend, table), out)
     assert_close("embed", host(backend, out), ref, backend=backend.name, case=f"T={T},V={V},H={H}", seed=seed)
@@ -63,8 +63,8 @@ def test_rmsnorm_matches_reference_within_noise_floor(backend, T, H, eps, kind, 
     if kind == "constant_rows":
         x[:] = x[:, :1]  # every element equal: the output is weight * sign(x) up to eps
     w = fp16(rng, (H,), 0.5) + F16(1.0)
-    ref = R.ref_rmsnorm(x, w, eps)
-    plain = _round(R.ref_rmsnorm(x, w, eps, dtype=F32), F16)
+    ref = ref_ops.ref_rmsnorm(x, w, eps)
+    plain = _round(ref_ops.ref_rmsnorm(x, w, eps, dtype=F32), F16)
     out = sentinel(backend, (T, H), F16)
     backend.rmsnorm(dev(backend, x), dev(backend, w), eps, out)
     assert_close("rmsnorm", host(backend, out), ref, plain, backend=backend.name, case=f"T={T},H={H},{kind}", seed=seed)
@@ -82,8 +82,8 @@ def test_qkv_proj_with_bias(backend, quant_format, shape, seed):
     w = quantizable_weight(rng, out_f, in_f)
     bias = fp16(rng, (out_f,), 0.5)
     qw, wref = _quantized(backend, quant_format, w)
-    ref = R.ref_linear(x, wref, bias)
-    plain = _round(R.ref_linear(x, wref, bias, dtype=F32), F16)
+    ref = ref_ops.ref_linear(x, wref, bias)
+    plain = _round(ref_ops.ref_linear(x, wref, bias, dtype=F32), F16)
     out = sentinel(backend, (T, out_f), F16)
     backend.qkv_proj(dev(backend, x), qw, dev(backend, bias), out)
     assert_close("qkv_proj", host(backend, out), ref, plain, backend=backend.name, case=f"T={T},in={in_f},out={out_f}", seed=seed)
@@ -99,8 +99,8 @@ def test_linear_residual_adds_into_fp32_stream(backend, quant_format, op, shape,
     w = quantizable_weight(rng, out_f, in_f)
     resid = (rng.standard_normal((T, out_f)) * 4).astype(F32)
     qw, wref = _quantized(backend, quant_format, w)
-    ref = resid + R.ref_linear(x, wref)
-    plain = resid + R.ref_linear(x, wref, dtype=F32)
+    ref = resid + ref_ops.ref_linear(x, wref)
+    plain = resid + ref_ops.ref_linear(x, wref, dtype=F32)
     out = dev(backend, resid.copy())
     getattr(backend, op)(dev(backend, x), qw, out)
     assert_close(op, host(backend, out), ref, plain, backend=backend.name, case=f"T={T},in={in_f},out={out_f}", seed=seed)
@@ -113,8 +113,8 @@ def test_gate_up_silu_fused(backend, quant_format, T, H, inter, seed):
     x = fp16(rng, (T, H))
     w = quantizable_weight(rng, 2 * inter, H, scale=0.1)  # rows [gate; up]
     qw, wref = _quantized(backend, quant_format, w)
-    ref = R.ref_gate_up_silu(x, wref[:inter], wref[inter:])
-    plain = _round(R.ref_gate_up_silu(x, wref[:inter], wref[inter:], dtype=F32), F16)
+    ref = ref_ops.ref_gate_up_silu(x, wref[:inter], wref[inter:])
+    plain = _round(ref_ops.ref_gate_up_silu(x, wref[:inter], wref[inter:], dtype=F32), F16)
     out = sentinel(backend, (T, inter), F16)
     backend.gate_up_silu(dev(backend, x), qw, out)
     assert_close("gate_up_silu", host(backend, out), ref, plain, backend=backend.name, case=f"T={T},H={H},I={inter}", seed=seed)
@@ -138,9 +138,9 @@ def test_rope_kv_write_rotates_and_writes_only_its_slots(backend, T, start, nkv,
     q_in = qkv[:, : nq * d].reshape(T, nq, d)
     k_in = qkv[:, nq * d: (nq + nkv) * d].reshape(T, nkv, d)
     v_in = qkv[:, (nq + nkv) * d:].reshape(T, nkv, d)
-    ref_q, ref_k = R.ref_rope(q_in, positions, theta), R.ref_rope(k_in, positions, theta)
-    plain_q = _round(R.ref_rope(q_in, positions, theta, dtype=F32), F16)
-    plain_k = _round(R.ref_rope(k_in, positions, theta, dtype=F32), F16)
+    ref_q, ref_k = ref_ops.ref_rope(q_in, positions, theta), ref_ops.ref_rope(k_in, positions, theta)
+    plain_q = _round(ref_ops.ref_rope(q_in, positions, theta, dtype=F32), F16)
+    plain_k = _round(ref_ops.ref_rope(k_in, positions, theta, dtype=F32), F16)
 
     k_pages, v_pages = sentinel(backend, pages_shape, F16), sentinel(backend, pages_shape, F16)
     q_out = sentinel(backend, (T, nq, d), F16)
@@ -163,28 +163,28 @@ def test_rope_kv_write_rotates_and_writes_only_its_slots(backend, T, start, nkv,
 
 
 def _check_attention(backend, op: str, c: PagedCase):
-    ref = R.ref_paged_attention(c.q, c.k_pages, c.v_pages, c.page_table, c.positions)
-    plain = _round(R.ref_paged_attention(c.q, c.k_pages, c.v_pages, c.page_table, c.positions, dtype=F32), F16)
+    ref = ref_ops.ref_paged_attention(c.q, c.k_pages, c.v_pages, c.page_table, c.positions)
+    plain = _round(ref_ops.ref_paged_attention(c.q, c.k_pages, c.v_pages, c.page_table, c.positions, dtype=F32), F16)
     out = sentinel(backend, (c.T, c.nq * c.d), F16)
     getattr(backend, op)(*dev(backend, c.q, c.k_pages, c.v_pages, c.page_table, c.positions), out)
     assert_close(op, host(backend, out), ref, plain, backend=backend.name, case=str(c), seed=c.seed, tol_op="attention")
 
 
 @given(c=paged_cases(decode=True))
-@example(c=PagedCase.build(0, 1, 1, 1, 1, 64, "contiguous"))  # position 0: one key
-@example(c=PagedCase.build(1, 16, 1, 28, 4, 128, "shuffled"))  # a full page, the 7B head layout
-@example(c=PagedCase.build(2, 17, 1, 8, 2, 64, "sparse"))  # one slot into a second page
-@example(c=PagedCase.build(3, 33, 1, 6, 1, 128, "shuffled"))
-@example(c=PagedCase.build(4, 32, 1, 7, 1, 64, "shuffled", 4.0))  # large scores
+@example(c=PagedCase.build(seed=0, L=1, T=1, nq=1, nkv=1, d=64, layout="contiguous"))  # position 0: one key
+@example(c=PagedCase.build(seed=1, L=16, T=1, nq=28, nkv=4, d=128, layout="shuffled"))  # a full page, the 7B head layout
+@example(c=PagedCase.build(seed=2, L=17, T=1, nq=8, nkv=2, d=64, layout="sparse"))  # one slot into a second page
+@example(c=PagedCase.build(seed=3, L=33, T=1, nq=6, nkv=1, d=128, layout="shuffled"))
+@example(c=PagedCase.build(seed=4, L=32, T=1, nq=7, nkv=1, d=64, layout="shuffled", scale=4.0))  # large scores
 def test_attention_decode_reads_exactly_the_valid_keys(backend, c):
     _check_attention(backend, "attention_decode", c)
 
 
 @given(c=paged_cases(decode=False))
-@example(c=PagedCase.build(0, 1, 1, 2, 1, 64, "contiguous"))
-@example(c=PagedCase.build(1, 17, 17, 4, 2, 64, "shuffled"))  # whole prompt, crossing a page
-@example(c=PagedCase.build(2, 33, 3, 14, 2, 64, "sparse"))  # a chunk after a cached prefix
-@example(c=PagedCase.build(3, 48, 32, 28, 4, 128, "shuffled"))
+@example(c=PagedCase.build(seed=0, L=1, T=1, nq=2, nkv=1, d=64, layout="contiguous"))
+@example(c=PagedCase.build(seed=1, L=17, T=17, nq=4, nkv=2, d=64, layout="shuffled"))  # whole prompt, crossing a page
+@example(c=PagedCase.build(seed=2, L=33, T=3, nq=14, nkv=2, d=64, layout="sparse"))  # a chunk after a cached prefix
+@example(c=PagedCase.build(seed=3, L=48, T=32, nq=28, nkv=4, d=128, layout="shuffled"))
 def test_attention_prefill_is_causal_over_pages(backend, c):
     _check_attention(backend, "attention_prefill", c)
 
@@ -192,7 +192,8 @@ def test_attention_prefill_is_causal_over_pages(backend, c):
 @pytest.mark.parametrize("L", PAGE_BOUNDARY_LENGTHS)
 def test_attention_decode_at_every_page_edge(backend, L):
     for nkv, ratio, d in ((2, 2, 64), (4, 7, 128)):
-        _check_attention(backend, "attention_decode", PagedCase.build(L, L, 1, nkv * ratio, nkv, d, "shuffled"))
+        case = PagedCase.build(seed=L, L=L, T=1, nq=nkv * ratio, nkv=nkv, d=d, layout="shuffled")
+        _check_attention(backend, "attention_decode", case)
 
 
 # --- lm_head and argmax --------------------------------------------------------------------------
@@ -204,8 +205,8 @@ def test_lm_head_fp16_weight_fp32_logits(backend, V, H, seed):
     rng = rng_for(seed)
     x = fp16(rng, (1, H))
     w = fp16(rng, (V, H), 0.2)
-    ref = R.ref_lm_head(x, w)
-    plain = R.ref_lm_head(x, w, dtype=F32)
+    ref = ref_ops.ref_lm_head(x, w)
+    plain = ref_ops.ref_lm_head(x, w, dtype=F32)
     out = sentinel(backend, (1, V), F32)
     backend.lm_head(dev(backend, x), dev(backend, w), out)
     assert_close("lm_head", host(backend, out), ref, plain, backend=backend.name, case=f"V={V},H={H}", seed=seed)
@@ -220,7 +221,7 @@ def test_argmax_lowest_index_wins_a_tie(backend, V, ties, seed):
     if ties and V > 1:
         at = rng.choice(V, size=min(ties + 1, V), replace=False)
         logits[at] = logits.max() + 1.0  # several equal maxima
-    ref = R.ref_argmax(logits)
+    ref = ref_ops.ref_argmax(logits)
     out = sentinel(backend, (1,), np.int32)
     backend.argmax(dev(backend, logits), out)
     assert_equal("argmax", host(backend, out), np.array([ref], dtype=np.int32), backend=backend.name,
