@@ -1,4 +1,4 @@
-"""The decode step as a captured CUDA graph (cuda backend only).
+"""The decode step as a captured CUDA graph (a backend with `supports_graphs`: the cuda one).
 
     model = engine.load(path, backend="cuda")
     model.enable_cuda_graph()          # decode_step now replays one graph per token
@@ -43,9 +43,10 @@ class GraphCaptureError(RuntimeError):
 
 class DecodeGraph:
     def __init__(self, model):
-        if getattr(model.backend, "name", None) != "cuda":
-            raise ValueError(f"CUDA graphs need the cuda backend, not {getattr(model.backend, 'name', model.backend)!r}")
-        import cupy  # only on the cuda backend, which already imported it
+        if not getattr(model.backend, "supports_graphs", False):
+            raise ValueError(f"backend {getattr(model.backend, 'name', model.backend)!r} cannot capture the decode "
+                             "step as a graph (supports_graphs is False)")
+        import cupy  # only on a graph-capable backend, which already imported it
 
         self._cp = cupy
         self.model = model
@@ -121,10 +122,9 @@ class DecodeGraph:
         start = seq.length
         with self.stream:
             self._prepare(seq, [first_id])
-            advance = getattr(m.backend, "decode_advance")
             for i in range(n):
                 self.graph.launch(self.stream)
-                advance(m._next, ws.ids, ws.positions)
+                m.backend.decode_advance(m._next, ws.ids, ws.positions)  # an op of docs/BACKEND.md
                 cp.cuda.runtime.memcpyAsync(tokens.ctypes.data + 4 * i, m._next.data.ptr, 4,
                                             cp.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
                 ev = self.stream.record()

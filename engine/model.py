@@ -123,7 +123,7 @@ class Model:
         return self.backend.to_numpy(self._run(seq, ids, self._decode_ws)).copy()
 
     def enable_cuda_graph(self, enabled: bool = True) -> None:
-        """Run decode_step as one captured CUDA graph per token (cuda backend; engine/cuda_graph.py)."""
+        """Run decode_step as one captured graph per token (a backend with supports_graphs; engine/cuda_graph.py)."""
         if not enabled:
             self._graph = None
             return

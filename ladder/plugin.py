@@ -6,8 +6,10 @@ Loaded by the repository's root conftest.py, or with `-p ladder.plugin` from an 
 - `--backend numpy|cuda|all` picks the engines under test (default: both, so the cuda cases run where
   a GPU and CuPy are present and show as skipped, with the reason, elsewhere); a test takes the
   `backend` fixture and runs once per backend. A backend that cannot run here is a skip with its reason,
-  unless `--require-backend NAME` (or NANOQWEN_REQUIRE_GPU=1 for
-  cuda) turns that skip into a failure. Tests on `cuda` also carry the `gpu` marker.
+  unless `--require-backend NAME` (or NANOQWEN_REQUIRE_GPU=1, for every backend that needs an
+  accelerator: cuda) turns that skip into a failure. Tests on such a backend also carry the `gpu` marker.
+  Backends come from the registry of kernels/ (`backend_names`, `backend_available`,
+  `backend_needs_device`); nothing here tests a backend's name.
 - `--quant FORMAT|all` picks the quantization formats the `quant_format` fixture runs over.
 - `--plant-fault NAME[@LAYER]` wraps one op of every Backend object with a fault from ladder/faults.py.
 - `--update-golden` regenerates the golden activations (once, before the tests, on the controller).
@@ -28,7 +30,8 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
-from kernels import BACKENDS, OPS, cuda_available, get_backend
+from kernels import (BACKENDS, OPS, backend_available, backend_class, backend_names, backend_needs_device,
+                     get_backend)
 
 settings.register_profile("ci", max_examples=25, derandomize=True, deadline=None, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -51,7 +54,7 @@ MARKERS = {
 def pytest_addoption(parser):
     g = parser.getgroup("nanoqwen", "nanoqwen ladder")
     g.addoption("--backend", default=None, choices=[*BACKENDS, "all"],
-                help="engine backend under test (default: both; cuda skips with its reason where there is no GPU)")
+                help="engine backend under test (default: every registered one; one that cannot run here skips with its reason)")
     g.addoption("--require-backend", action="append", default=[], choices=list(BACKENDS),
                 help="fail, instead of skipping, when this backend cannot run here (repeatable)")
     g.addoption("--quant", default="all", help="quantization format under test, or 'all' (default)")
@@ -91,18 +94,16 @@ def _positive_int(text: str) -> int:
 
 def selected_backends(config) -> list[str]:
     choice = config.getoption("--backend")
-    if choice == "all":
-        return list(BACKENDS)
-    if choice:
+    if choice and choice != "all":
         return [choice]
-    # Both: the cuda cases run where CuPy and a GPU are present and skip, with the reason, elsewhere.
-    return list(BACKENDS)
+    # All registered: a backend's cases run where it can and skip, with the reason, elsewhere.
+    return list(backend_names())
 
 
 def required_backends(config) -> set[str]:
     req = set(config.getoption("--require-backend") or [])
     if os.environ.get("NANOQWEN_REQUIRE_GPU") == "1":
-        req.add("cuda")
+        req.update(b for b in backend_names() if backend_needs_device(b))
     return req
 
 
@@ -183,7 +184,8 @@ def pytest_collection_modifyitems(config, items):
         if rung:
             item.add_marker(getattr(pytest.mark, rung))
         callspec = getattr(item, "callspec", None)
-        if callspec is not None and callspec.params.get("backend_name") == "cuda":
+        name = callspec.params.get("backend_name") if callspec is not None else None
+        if name is not None and backend_needs_device(name):
             item.add_marker(pytest.mark.gpu)
 
 
@@ -200,13 +202,12 @@ def backend(request, backend_name):
     Its ops are wrapped once to count calls (coverage) and, with --plant-fault, to plant the fault.
     """
     if backend_name not in _BACKENDS:
-        if backend_name == "cuda":
-            ok, why = cuda_available()
-            if not ok:
-                msg = f"backend cuda unavailable: {why}"
-                if "cuda" in required_backends(request.config):
-                    pytest.fail(msg + " (required by --require-backend cuda / NANOQWEN_REQUIRE_GPU=1)")
-                pytest.skip(msg)
+        ok, why = backend_available(backend_name)
+        if not ok:
+            msg = f"backend {backend_name} unavailable: {why}"
+            if backend_name in required_backends(request.config):
+                pytest.fail(msg + f" (required by --require-backend {backend_name} / NANOQWEN_REQUIRE_GPU=1)")
+            pytest.skip(msg)
         be = get_backend(backend_name, **_device_options(backend_name))
         spec = request.config.getoption("--plant-fault")
         if spec:
@@ -221,13 +222,11 @@ def backend(request, backend_name):
 
 
 def _device_options(backend_name: str) -> dict:
-    """With pytest-xdist on a machine of several GPUs, worker gwN takes GPU N modulo the GPU count."""
+    """With pytest-xdist, worker gwN asks the backend for its options (cuda: GPU N modulo the GPU count)."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-    if backend_name != "cuda" or not worker.startswith("gw"):
+    if not worker.startswith("gw"):
         return {}
-    import cupy
-
-    return {"device": int(worker[2:]) % cupy.cuda.runtime.getDeviceCount()}
+    return backend_class(backend_name).worker_options(int(worker[2:]))
 
 
 @pytest.fixture(scope="session")

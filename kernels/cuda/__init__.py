@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels import BackendUnavailableError, FormatNotSupportedError, QuantizedWeight
+from kernels.base import Backend, BackendUnavailableError, FormatNotSupportedError, QuantizedWeight
 
 try:
     import cupy as cp
@@ -64,9 +64,35 @@ def _need(a, dtype, name: str):
     return a
 
 
-class CudaBackend:
+def _device_name(device: int) -> str:
+    name = cp.cuda.runtime.getDeviceProperties(device)["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+class CudaBackend(Backend):
     name = "cuda"
     formats = ("int4_sym_g128",)
+    supports_graphs = True  # every T = 1 op launches on the current stream and allocates nothing
+    needs_device = True
+
+    @classmethod
+    def is_available(cls) -> tuple[bool, str]:
+        try:
+            n = cp.cuda.runtime.getDeviceCount()
+        except Exception as e:  # CUDARuntimeError: no driver, no device
+            return False, f"CuPy sees no CUDA device ({type(e).__name__}: {e})"
+        if n == 0:
+            return False, "CuPy sees no CUDA device"
+        return True, _device_name(0)
+
+    @classmethod
+    def worker_options(cls, worker: int) -> dict:
+        """Parallel test worker N takes GPU N modulo the GPU count."""
+        return {"device": worker % cp.cuda.runtime.getDeviceCount()}
+
+    @property
+    def device_name(self) -> str:
+        return _device_name(cp.cuda.Device().id)
 
     def __init__(self, device: int | None = None, pages_per_split: int | None = None):
         try:

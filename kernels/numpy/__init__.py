@@ -31,7 +31,7 @@ import weakref
 
 import numpy as np
 
-from kernels import FormatNotSupportedError, QuantizedWeight
+from kernels.base import Backend, FormatNotSupportedError, QuantizedWeight
 from kernels.numpy.attention import paged_attention
 from kernels.numpy.blas import blas_threads, default_threads
 from kernels.numpy import int4
@@ -55,9 +55,10 @@ def _read_only(a) -> bool:
     return True
 
 
-class NumpyBackend:
+class NumpyBackend(Backend):
     name = "numpy"
     formats = tuple(LINEAR_KERNELS)
+    supports_graphs = False  # nothing to capture: the decode step runs eagerly
 
     def __init__(self, repack_bytes: int | None = None, threads: int | None = None):
         if repack_bytes is None:
@@ -211,3 +212,7 @@ class NumpyBackend:
 
     def argmax(self, logits, out):
         out[...] = np.argmax(logits.reshape(-1))  # first maximum: the lowest index wins a tie
+
+    def decode_advance(self, next_id, ids, positions):
+        ids[0] = next_id[0]
+        positions[0] += 1

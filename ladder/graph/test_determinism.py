@@ -25,7 +25,7 @@ def test_three_runs_generate_identical_tokens(backend, model_path, request):
     runs = []
     for _ in range(RUNS):
         model = engine.load(model_path, backend=backend)
-        if backend.name == "cuda":
+        if backend.supports_graphs:
             model.enable_cuda_graph(True)
         runs.append([model.generate(p.ids, tokens_to_generate(len(p.ids), n_new)) for p in chosen])
     for p, *tokens in zip(chosen, *runs):

@@ -123,8 +123,8 @@ def model(model_path, backend):
 
 
 def decode_modes(model):
-    """Eager everywhere; on CUDA also the captured decode graph (docs/LADDER.md)."""
-    if model.backend.name == "cuda" and hasattr(model, "enable_cuda_graph"):
+    """Eager everywhere; on a backend that supports graphs (CUDA) also the captured decode graph (docs/LADDER.md)."""
+    if model.backend.supports_graphs and hasattr(model, "enable_cuda_graph"):
         return ["eager", "graph"]
     return ["eager"]
 

@@ -69,7 +69,7 @@ def check_block(backend, block: BlockUnderTest, case: LayerCase, ref_out, ref_k,
     assert_close("block_output", out, ref_out, p_out, backend=backend.name, case=label, seed=case.seed, tol_op="layer")
     assert_close("block_k_pages", k, ref_k, p_k.astype(F16), backend=backend.name, case=label, seed=case.seed, tol_op="layer_kv")
     assert_close("block_v_pages", v, ref_v, p_v.astype(F16), backend=backend.name, case=label, seed=case.seed, tol_op="layer_kv")
-    if backend.name == "cuda":  # the decode steps again, as one captured CUDA graph: equal to eager, bit for bit
+    if backend.supports_graphs:  # the decode steps again, as one captured graph: equal to eager, bit for bit
         g_out, g_k, g_v = run_engine_block(backend, block.config, block.quant, block.get, case,
                                            shuffle_seed=case.seed, captured=True)
         for name, a, b in (("output", g_out, out), ("k", g_k, k), ("v", g_v, v)):
@@ -131,8 +131,8 @@ def test_block_at_other_head_layouts(backend, hf_block, shape):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", SEVEN_B_CASES, ids=str)
 def test_block_at_the_exact_7b_shape(backend, hf_block, case):
-    if backend.name != "cuda":
-        pytest.skip("the 7B-shape block is a GPU case (minutes on the NumPy backend)")
+    if not backend.needs_device:
+        pytest.skip("the 7B-shape block is a GPU case (minutes on a CPU backend)")
     block = BlockUnderTest.synthetic(SHAPES["qwen2.5-coder-7b"], seed=7)
     ref = hf_block(block.hf_config, block.weights, 0, case.inputs(block.config.hidden_size))
     check_block(backend, block, case, *ref, against="HF Qwen2DecoderLayer")
