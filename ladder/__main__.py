@@ -1,7 +1,7 @@
-"""`python -m ladder ...` is `nanoqwen ...` from a plain checkout."""
+"""`python -m ladder ...` is `nanoqwen ...` from a plain checkout (the same `main`, engine/cli.py)."""
 
 import sys
 
-from ladder.cli import main
+from engine.cli import main
 
 sys.exit(main())

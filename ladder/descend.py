@@ -255,7 +255,7 @@ def plot(result: dict, path: Path) -> bool:
 
 def cmd_descend(args) -> int:
     from engine.outpath import check_output_folder
-    from ladder.models import prompt_ids, resolve_model
+    from engine.resolve import prompt_ids, resolve_model
 
     out = check_output_folder(args.out)  # refused (or made) before the descent, not after it
     out.mkdir(parents=True, exist_ok=True)
@@ -276,7 +276,7 @@ DEFAULT_PROMPT = ("def fibonacci(n):\n    if n < 2:\n        return n\n    a, b 
 
 
 def register(subparsers) -> None:
-    from ladder.cli import non_negative_int, token_ids_arg
+    from engine.cli import non_negative_int, token_ids_arg
 
     d = subparsers.add_parser("descend", help="walk down to the first layer, then the first op, where the engine "
                                               "leaves the HF simulation")

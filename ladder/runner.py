@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from engine.errors import NanoqwenError
-from ladder.cli import int_at_least
+from engine.cli import int_at_least
 
 RUNGS = ("unit", "layer", "graph")
 PACKAGE = Path(__file__).resolve().parent  # ladder/: the rungs' test folders live here
@@ -75,7 +75,7 @@ def _absolute(value: str | None) -> str | None:
 def cmd_ladder(args) -> int:
     """Run the rungs in order; stop at the first red one unless --keep-going."""
     from ladder import report as R
-    from ladder.models import resolve_model
+    from engine.resolve import resolve_model
 
     rungs = [r.strip() for r in args.rungs.split(",") if r.strip()]
     unknown = sorted(set(rungs) - set(RUNGS))

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from ladder.bisect import BAD, GOOD, SKIP, BisectError, bisect, failing_tests, selection_of, verdict
-from ladder.cli import build_parser
+from engine.cli import build_parser
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 _GIT_VARS = ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE", "GIT_COMMON_DIR", "GIT_OBJECT_DIRECTORY")

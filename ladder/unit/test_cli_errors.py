@@ -4,7 +4,7 @@ on stderr, `nanoqwen: error: ...` naming the problem, and exit status 2; never a
 Also: an error under a progress bar starts on a fresh line; a conversion done on the way (`generate`,
 `ladder` or `descend` on a Hugging Face folder) shows its progress on stderr; `descend` says each phase
 before it starts; a reader that closes the pipe early (`nanoqwen inspect F | head`) ends the command
-quietly. Most cases run in-process through `ladder.cli.main`; a few run the installed `nanoqwen` from a
+quietly. Most cases run in-process through `engine.cli.main`; a few run the installed `nanoqwen` from a
 temporary folder, as a user does (skipped, with the reason, where it is not installed).
 """
 
@@ -22,7 +22,7 @@ from engine.config import SHAPES
 from engine.convert import CheckpointError, SafetensorsFolder, convert
 from fixtures.tiny_model import build_random_model, random_model_dir, random_model_file
 from kernels import cuda_available
-from ladder.cli import main as cli_main
+from engine.cli import main as cli_main
 
 SMALL = SHAPES["tiny"].replace(num_hidden_layers=2)
 HAS_CUDA = cuda_available()[0]

@@ -29,7 +29,7 @@ from engine.errors import ConfigError, NanoqwenError, OutputPathError
 from engine.formats import get_format
 from engine.modelfile import ModelFile
 from fixtures.tiny_model import build_random_model, random_model_dir
-from ladder.cli import main as cli_main
+from engine.cli import main as cli_main
 
 SMALL = SHAPES["tiny"].replace(num_hidden_layers=2)
 REPO = Path(__file__).resolve().parents[2]
@@ -429,7 +429,7 @@ def test_random_damage_to_a_safetensors_header_converts_or_is_a_typed_error(smal
 SLOW_MAIN = ("import signal, sys, time; signal.signal(signal.SIGINT, signal.default_int_handler); "
              "import engine.convert as c; read = c.SafetensorsFolder.read; "
              "c.SafetensorsFolder.read = lambda self, n: (time.sleep(0.05), read(self, n))[1]; "
-             "from ladder.cli import main; sys.exit(main(sys.argv[1:]))")
+             "from engine.cli import main; sys.exit(main(sys.argv[1:]))")
 
 
 def start_slow(args: list[str], env_extra: dict | None = None) -> subprocess.Popen:

@@ -58,7 +58,7 @@ def test_cpu_path_does_not_import_cupy():
         "import sys, importlib\n"
         "for m in ('engine', 'engine.model', 'engine.block', 'engine.kv_cache', 'kernels', 'kernels.numpy'):\n"
         "    importlib.import_module(m)\n"
-        "for m in ('ladder.cli', 'engine.cuda_graph'):\n"
+        "for m in ('engine.cli', 'engine.cuda_graph'):\n"
         "    try:\n"
         "        importlib.import_module(m)\n"
         "    except ModuleNotFoundError as e:\n"

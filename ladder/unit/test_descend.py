@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from ladder.cli import main as cli_main
+from engine.cli import main as cli_main
 
 pytest.importorskip("torch", reason="the descent compares with the HF simulation (pip install -e '.[test]')")
 pytest.importorskip("transformers", reason="the descent compares with the HF simulation (pip install -e '.[test]')")

@@ -24,7 +24,7 @@ from engine.tokenizer import embedded_tokenizer
 from fixtures.corrupt import CASES, _config
 from fixtures.fuzz import seed_file
 from fixtures.tiny_model import random_model_file
-from ladder.cli import main as cli_main
+from engine.cli import main as cli_main
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,5 @@
-"""The `nanoqwen` command line (`python -m ladder` does the same from a plain checkout).
+"""The `nanoqwen` command line: the product's commands (generate, convert, inspect) and the table that
+finds the others (`python -m ladder` runs the same `main` from a plain checkout).
 
     nanoqwen ladder [--model FILE|HF_DIR] [--prompts FILE] [--backend B] [--keep-going] [--report DIR]
                     [--baseline DIR] [--coverage]
@@ -13,11 +14,17 @@ written, a bad argument, a token id out of range, a prompt longer than the cache
 machine cannot run) are one line on stderr, `nanoqwen: error: ...`, and exit status 2, never a
 traceback; an error under a progress bar starts on a fresh line. A reader that closes the pipe early
 (`nanoqwen inspect F | head`) ends the command quietly with status 141; Ctrl-C is status 130.
+
+The ladder's commands and the benchmark live with the ladder and the benchmark (`COMMANDS`: a command's
+name -> "module:register"); a command's module is imported only when that command is chosen (all of
+them for `nanoqwen --help` or an unknown command), so `nanoqwen generate` loads neither ladder/, bench/,
+reference/ nor fixtures/ beyond the default model's lookup (engine/resolve.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import re
@@ -25,6 +32,15 @@ import sys
 import time
 
 from engine.errors import NanoqwenError
+from engine.formats import DEFAULT_FORMAT
+
+# The commands that live outside the engine: name -> "module:register", `register(subparsers)` adding it.
+COMMANDS = {
+    "ladder": "ladder.runner:register",
+    "bisect": "ladder.bisect:register",
+    "descend": "ladder.descend:register",
+    "bench": "bench.cli:register",
+}
 
 
 _bar = {"open": False}  # whether a progress bar's line on stderr is still unfinished
@@ -151,7 +167,7 @@ def cmd_generate(args) -> int:
     import engine
     from engine.model import Timings
 
-    from ladder.models import prompt_ids, resolve_model
+    from engine.resolve import prompt_ids, resolve_model
 
     path = resolve_model(args.model)
     model = engine.load(path, backend=args.backend)
@@ -196,12 +212,11 @@ def cmd_inspect(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser: the product's commands, and of `COMMANDS` none when `command` is a product command,
+    only `command` when it is one of them, all of them otherwise (None, or an unknown command)."""
     p = _Parser(prog="nanoqwen", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
-
-    from ladder.runner import register as register_ladder
-    register_ladder(sub)
 
     g = sub.add_parser("generate", help="greedy generation on a model (the embedded default when --model is left out)")
     g.add_argument("--model", help=".nanoqwen file (default: the embedded default model)")
@@ -216,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("convert", help="Hugging Face Qwen2 folder -> .nanoqwen")
     c.add_argument("hf_dir")
     c.add_argument("out")
-    c.add_argument("--quant", default="int4_sym_g128")
+    c.add_argument("--quant", default=DEFAULT_FORMAT)
     c.set_defaults(func=cmd_convert)
 
     i = sub.add_parser("inspect", help="print a .nanoqwen file's header and tensor table")
@@ -224,20 +239,26 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--no-verify", action="store_true", help="skip the checksum pass")
     i.set_defaults(func=cmd_inspect)
 
-    from ladder.bench import register as register_bench
-    register_bench(sub)
-    from ladder.bisect import register as register_bisect
-    register_bisect(sub)
-    from ladder.descend import register as register_descend
-    register_descend(sub)
+    product = set(sub.choices)
+    for name, target in COMMANDS.items():
+        if command in product or (command in COMMANDS and name != command):
+            continue
+        module, _, function = target.partition(":")
+        getattr(importlib.import_module(module), function)(sub)
     return p
+
+
+def chosen_command(argv: list[str]) -> str | None:
+    """The command `argv` names (its first word that is not an option), or None."""
+    return next((a for a in argv if not a.startswith("-")), None)
 
 
 def main(argv=None) -> int:
     from kernels import BackendUnavailableError, FormatNotSupportedError
 
     try:
-        args = build_parser().parse_args(_attach_negative_values(sys.argv[1:] if argv is None else list(argv)))
+        argv = _attach_negative_values(sys.argv[1:] if argv is None else list(argv))
+        args = build_parser(chosen_command(argv)).parse_args(argv)
     except SystemExit as e:  # --help (0), or a usage error already printed as one line (2)
         return e.code if isinstance(e.code, int) else 2
     try:

@@ -1,4 +1,7 @@
-"""`nanoqwen bench`: the subcommand's wiring; the benchmark itself lives in bench/decode_bench.py.
+"""`nanoqwen bench`: the subcommand's wiring; the benchmark itself lives in decode_bench.py.
+
+The command line (engine/cli.py) finds `register` through its table of commands, by name, and imports
+this module only when `bench` is chosen: nothing imports bench/.
 
 On a machine without CuPy or a GPU it stops before any work: `nanoqwen: error: bench needs the cuda
 backend: ...`, exit status 2."""
@@ -10,7 +13,7 @@ def _run(args) -> int:
     from kernels import BackendUnavailableError, cuda_available
 
     ok, why = cuda_available()
-    if not ok:  # one line and exit 2 (ladder/cli.py), not a traceback from deep inside the benchmark
+    if not ok:  # one line and exit 2 (engine/cli.py), not a traceback from deep inside the benchmark
         raise BackendUnavailableError(f"bench needs the cuda backend: {why}")
     from bench import decode_bench
 
