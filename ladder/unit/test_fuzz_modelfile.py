@@ -1,6 +1,6 @@
 """Unit rung (and nightly): malformed model files never escape as tracebacks, hangs or memory blow-ups.
 
-fixtures/fuzz.py mutates a small valid .nanoqwen file (bytes, lengths, header JSON fields, config
+fixtures/fuzz/ mutates a small valid .nanoqwen file (bytes, lengths, header JSON fields, config
 values, the embedded tokenizer.json) with a seeded, structure-aware mutator and runs, on every
 mutant, ModelFile() with checksums on and off, engine.load(..., backend="numpy") where the reader
 accepts the file, and engine.tokenizer.embedded_tokenizer(). A stage may succeed or raise a
