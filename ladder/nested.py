@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from kernels import backend_names, backend_needs_device
+
 REPO = Path(__file__).resolve().parents[1]
 NESTED = "NANOQWEN_NESTED_RUN"
 _PARENT_ONLY = ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_ADDOPTS", "PYTHONPATH")
@@ -28,8 +30,8 @@ skip_inside_nested_run = pytest.mark.skipif(os.environ.get(NESTED) == "1",
 def child_env(backend: str | None = "numpy", pythonpath: str | None = str(REPO), **extra: str) -> dict:
     """The environment of a child run on `backend` (None: it selects no backend of its own)."""
     env = {k: v for k, v in os.environ.items() if k not in _PARENT_ONLY}
-    if backend != "cuda":
-        env.pop("NANOQWEN_REQUIRE_GPU", None)  # a requirement for cuda is a usage error in a numpy-only run
+    if not (backend in backend_names() and backend_needs_device(backend)):
+        env.pop("NANOQWEN_REQUIRE_GPU", None)  # a requirement for a GPU is a usage error in a CPU-only run
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
     env[NESTED] = "1"

@@ -3,6 +3,7 @@
 Each test reads the same way: draw inputs (rounded to their storage dtype), `ref = ref_op(...)` in
 float64, `plain = ref_op(..., dtype=float32)` rounded to the output dtype (the noise floor), `out =
 backend.op(...)` into a sentinel-filled buffer, `assert_close(op, out, ref, plain)` with TOL.
+`decode_advance` (an integer copy and an increment) is checked exactly against its definition.
 """
 
 from __future__ import annotations
@@ -226,3 +227,28 @@ def test_argmax_lowest_index_wins_a_tie(backend, V, ties, seed):
     backend.argmax(dev(backend, logits), out)
     assert_equal("argmax", host(backend, out), np.array([ref], dtype=np.int32), backend=backend.name,
                  case=f"V={V},ties={ties}", seed=seed)
+
+
+# --- decode_advance ------------------------------------------------------------------------------
+
+
+@given(next_id=st.integers(0, 2**31 - 1), old_id=st.integers(0, 2**31 - 1), start=st.integers(0, 2**31 - 100),
+       steps=st.integers(1, 5), seed=seeds)
+@example(next_id=0, old_id=151643, start=0, steps=1, seed=0)
+@example(next_id=151935, old_id=7, start=15, steps=2, seed=1)  # crosses the page edge at 16
+def test_decode_advance_feeds_the_picked_token_back_and_moves_one_position(backend, next_id, old_id, start, steps, seed):
+    # The spec is the op itself (docs/BACKEND.md): ids[0] = next_id[0]; positions[0] += 1, on the device.
+    rng = rng_for(seed)
+    picks = [next_id, *rng.integers(0, 2**31 - 1, size=steps - 1)]
+    ids = dev(backend, np.array([old_id], dtype=np.int32))
+    positions = dev(backend, np.array([start], dtype=np.int32))
+    for k, pick in enumerate(picks, 1):
+        nxt = dev(backend, np.array([pick], dtype=np.int32))
+        backend.decode_advance(nxt, ids, positions)
+        case = f"next_id={pick},start={start},step={k}"
+        assert_equal("decode_advance", host(backend, ids), np.array([pick], dtype=np.int32),
+                     backend=backend.name, case=case, seed=seed)
+        assert_equal("decode_advance", host(backend, positions), np.array([start + k], dtype=np.int32),
+                     backend=backend.name, case=case, seed=seed)
+        assert_equal("decode_advance", host(backend, nxt), np.array([pick], dtype=np.int32),
+                     backend=backend.name, case=case + " (next_id is read, never written)", seed=seed)
