@@ -1,0 +1,278 @@
+"""The measuring half of `nanoqwen bench` (bench/decode_bench.py runs the protocol and reports).
+
+Seeded random INT4 weights made on the GPU (a hash of the tensor's name and index, so a rerun builds
+the same model), the bytes a decode step must read, CUDA-event timing of a graph and the copy-rate
+ceiling, the state of one decode step at a given context, the per-kernel table and the GEMV variant
+sweep. CuPy is imported inside the functions: the module imports on a machine without it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+# ---- random weights on the GPU ---------------------------------------------------------------------
+
+_HASH = None
+
+
+def _hash_kernel():
+    global _HASH
+    if _HASH is None:
+        import cupy as cp
+
+        _HASH = cp.ElementwiseKernel(
+            "uint64 seed", "uint32 out",
+            """
+            unsigned long long z = seed + (unsigned long long)i * 0x9E3779B97F4A7C15ull;
+            z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+            z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+            out = (unsigned int)(z ^ (z >> 31));
+            """, "nanoqwen_bench_hash")
+    return _HASH
+
+
+def _seed(name: str, seed: int) -> np.uint64:
+    import zlib
+
+    return np.uint64((zlib.crc32(name.encode()) << 20) ^ (seed * 0x9E3779B1) ^ 0x5DEECE66D)
+
+
+def fill_u32(arr, name, seed):
+    import cupy as cp
+
+    flat = arr.reshape(-1).view(cp.uint32) if arr.dtype.itemsize == 4 else None
+    if flat is None:
+        raise TypeError("fill_u32 wants a 4-byte dtype")
+    _hash_kernel()(_seed(name, seed), flat)
+
+
+def fill_uniform_f16(arr, lo, hi, name, seed):
+    """fp16 values uniform in [lo, hi) from the hash."""
+    import cupy as cp
+
+    u = cp.empty(arr.size, dtype=cp.uint32)
+    _hash_kernel()(_seed(name, seed), u)
+    arr[...] = (lo + (hi - lo) * (u.astype(cp.float32) / np.float32(2**32))).astype(cp.float16).reshape(arr.shape)
+
+
+def fill_normal_f16(arr, std, name, seed):
+    """fp16 values ~ N(0, std^2) (sum of four uniforms, scaled: light tails, enough for a benchmark)."""
+    import cupy as cp
+
+    u = cp.empty((4, arr.size), dtype=cp.uint32)
+    _hash_kernel()(_seed(name, seed), u)
+    x = (u.astype(cp.float32) / np.float32(2**32) - 0.5).sum(axis=0) * np.float32(np.sqrt(3.0))
+    arr[...] = (x * np.float32(std)).astype(cp.float16).reshape(arr.shape)
+
+
+def build_model(config, seed: int, cache_tokens: int):
+    """The engine on the cuda backend with seeded random weights made on the GPU (no checkpoint)."""
+    from engine.model import Model
+
+    def get(name, dtype, shape):  # placeholders: zero pages, overwritten on the device below
+        return np.zeros(shape, dtype=dtype)
+
+    # the format named, not the default: the fills below write its tensors (qweight, scales)
+    model = Model(config, "int4_sym_g128", "cuda", get, cache_tokens=cache_tokens)
+    c = config
+    for w in model.layers:
+        p = f"layer{w.index}."
+        for key in ("qkv", "o_proj", "gate_up", "down"):
+            q = getattr(w, key)
+            fill_u32(q["qweight"], p + key + ".qweight", seed)
+            # scales giving each linear about unit gain: nibble - 8 has std ~4.6
+            lo, hi = 0.5 / (4.6 * np.sqrt(q.in_features)), 1.5 / (4.6 * np.sqrt(q.in_features))
+            fill_uniform_f16(q["scales"], lo, hi, p + key + ".scales", seed)
+        fill_normal_f16(w.qkv_bias, 0.1, p + "bias", seed)
+        fill_uniform_f16(w.input_layernorm, 0.9, 1.1, p + "ln1", seed)
+        fill_uniform_f16(w.post_attention_layernorm, 0.9, 1.1, p + "ln2", seed)
+    fill_normal_f16(model.embed_tokens, 1.0, "embed", seed)
+    fill_uniform_f16(model.norm, 0.9, 1.1, "norm", seed)
+    if model.lm_head is not model.embed_tokens:
+        fill_normal_f16(model.lm_head, 4.0 / np.sqrt(c.hidden_size), "lm_head", seed)
+    model.backend.synchronize()
+    return model
+
+
+# ---- bytes --------------------------------------------------------------------------------------
+
+def op_bytes(model, ctx: int) -> dict[str, float]:
+    """Bytes one decode step's op reads and writes, per call (per layer for the block ops)."""
+    c = model.config
+    H, I, V, d, nq, nkv = c.hidden_size, c.intermediate_size, c.vocab_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
+    w = model.layers[0]
+
+    def qb(q):
+        return q["qweight"].nbytes + q["scales"].nbytes
+
+    return {
+        "embed": H * 2 + H * 4,
+        "rmsnorm": H * 4 + H * 2 + H * 2,
+        "qkv_proj": qb(w.qkv) + w.qkv_bias.nbytes + H * 2 + c.qkv_size * 2,
+        "rope_kv_write": c.qkv_size * 2 * 2,
+        "attention_decode": 2 * ctx * nkv * d * 2 + 2 * nq * d * 2,
+        "o_proj_residual": qb(w.o_proj) + c.q_size * 2 + 2 * H * 4,
+        "gate_up_silu": qb(w.gate_up) + H * 2 + I * 2,
+        "down_residual": qb(w.down) + I * 2 + 2 * H * 4,
+        "final rmsnorm": H * 4 + H * 2 + H * 2,
+        "lm_head": V * H * 2 + H * 2 + V * 4,
+        "argmax": V * 4,
+    }
+
+
+def step_bytes(model, ctx: int) -> float:
+    b = op_bytes(model, ctx)
+    L = model.config.num_hidden_layers
+    per_layer = 2 * b["rmsnorm"] + sum(b[k] for k in ("qkv_proj", "rope_kv_write", "attention_decode",
+                                                       "o_proj_residual", "gate_up_silu", "down_residual"))
+    return b["embed"] + L * per_layer + b["final rmsnorm"] + b["lm_head"] + b["argmax"]
+
+
+# ---- timing helpers -----------------------------------------------------------------------------
+
+def time_graph(fn, reps: int = 10, warm: int = 2) -> float:
+    """Capture fn() once as a CUDA graph; median ms of `reps` replays (CUDA events)."""
+    import cupy as cp
+
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        fn()  # eager once: scratch exists before the capture
+        s.synchronize()
+        s.begin_capture()
+        fn()
+        g = s.end_capture()
+        for _ in range(warm):
+            g.launch(s)
+        times = []
+        for _ in range(reps):
+            a, b = cp.cuda.Event(), cp.cuda.Event()
+            a.record(s)
+            g.launch(s)
+            b.record(s)
+            b.synchronize()
+            times.append(cp.cuda.get_elapsed_time(a, b))
+    return float(np.median(times))
+
+
+def copy_rate(nbytes: int = 4 << 30, reps: int = 10) -> float:
+    """Device-to-device copy, read + write counted, TB/s (median)."""
+    import cupy as cp
+
+    src = cp.empty(nbytes // 4, dtype=cp.uint32)
+    fill_u32(src, "copy", 1)
+    dst = cp.empty_like(src)
+    times = []
+    for i in range(reps + 2):
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record()
+        dst[...] = src
+        b.record()
+        b.synchronize()
+        if i >= 2:
+            times.append(cp.cuda.get_elapsed_time(a, b))
+    ms = float(np.median(times))
+    del src, dst
+    cp.get_default_memory_pool().free_all_blocks()
+    return 2 * nbytes / (ms * 1e-3) / 1e12
+
+
+# ---- state for one decode step at a given context ---------------------------------------------------
+
+def prefilled(model, prompt):
+    seq = model.new_sequence()
+    logits = model.prefill(seq, prompt)
+    return seq, int(np.argmax(logits))
+
+
+def block_op_calls(model, seq):
+    """name -> fn(layer) calling that backend op for one layer with the decode workspace."""
+    be, c, ws = model.backend, model.config, model._decode_ws
+    cache = model.cache
+    pt = seq.page_table
+    return {
+        "rmsnorm": lambda i: be.rmsnorm(ws.residual, model.layers[i].input_layernorm, c.rms_norm_eps, ws.h),
+        "qkv_proj": lambda i: be.qkv_proj(ws.h, model.layers[i].qkv, model.layers[i].qkv_bias, ws.qkv),
+        "rope_kv_write": lambda i: be.rope_kv_write(ws.qkv, ws.positions, cache.k[i], cache.v[i], pt, c.rope_theta, ws.q),
+        "attention_decode": lambda i: be.attention_decode(ws.q, cache.k[i], cache.v[i], pt, ws.positions, ws.attn),
+        "o_proj_residual": lambda i: be.o_proj_residual(ws.attn, model.layers[i].o_proj, ws.residual),
+        "gate_up_silu": lambda i: be.gate_up_silu(ws.h, model.layers[i].gate_up, ws.act),
+        "down_residual": lambda i: be.down_residual(ws.act, model.layers[i].down, ws.residual),
+    }
+
+
+def set_decode_inputs(model, seq, token: int):
+    """The decode workspace at position seq.length with `token` (what one decode step reads)."""
+    ws = model._decode_ws
+    seq.reserve(1)
+    ws.ids[...] = model.backend.asarray(np.array([token], np.int32))
+    ws.positions[...] = model.backend.asarray(np.array([seq.length], np.int32))
+
+
+def per_kernel_table(model, seq, token, copy_tbs):
+    import cupy as cp
+
+    be, c, ws = model.backend, model.config, model._decode_ws
+    L = c.num_hidden_layers
+    set_decode_inputs(model, seq, token)
+    ctx = seq.length + 1
+    nbytes = op_bytes(model, ctx)
+    saved = ws.residual.copy()
+    calls = block_op_calls(model, seq)
+    rows = []
+    for name, fn in calls.items():
+        ms = time_graph(lambda: [fn(i) for i in range(L)]) / L
+        count = 2 * L if name == "rmsnorm" else L
+        rows.append((name, count, ms, nbytes[name]))
+        ws.residual[...] = saved
+    h1 = ws.h[:1]
+    ends = {
+        "embed": (lambda: be.embed(ws.ids, model.embed_tokens, ws.residual), nbytes["embed"]),
+        "final rmsnorm": (lambda: be.rmsnorm(ws.residual[:1], model.norm, c.rms_norm_eps, model._final_h), nbytes["final rmsnorm"]),
+        "lm_head": (lambda: be.lm_head(h1, model.lm_head, model._logits), nbytes["lm_head"]),
+        "argmax": (lambda: be.argmax(model._logits, model._next), nbytes["argmax"]),
+    }
+    for name, (fn, nb) in ends.items():
+        ms = time_graph(lambda: [fn() for _ in range(4)]) / 4
+        rows.append((name, 1, ms, nb))
+    ws.residual[...] = saved
+    table = []
+    for name, count, ms, nb in rows:
+        table.append({"op": name, "calls": count, "ms_per_call": ms, "ms_per_step": ms * count,
+                      "bytes_per_call": nb, "tbs": nb / (ms * 1e-3) / 1e12,
+                      "pct_copy_rate": 100 * nb / (ms * 1e-3) / 1e12 / copy_tbs})
+    cp.cuda.Stream.null.synchronize()
+    return table
+
+
+def sweep_gemv(model, seq, token):
+    """Time every GEMV variant per op (cold weights), check each against the default, keep the fastest."""
+    from kernels.cuda import GEMV_VARIANTS
+
+    be, L = model.backend, model.config.num_hidden_layers
+    ws = model._decode_ws
+    set_decode_inputs(model, seq, token)
+    calls = block_op_calls(model, seq)
+    calls["rmsnorm"](0)
+    saved = ws.residual.copy()
+    outs = {"qkv_proj": ws.qkv, "o_proj_residual": ws.residual, "gate_up_silu": ws.act, "down_residual": ws.residual}
+    result = {}
+    for op, out in outs.items():
+        default = be.gemv_config[op]
+        ws.residual[...] = saved
+        calls[op](0)
+        ref = be.to_numpy(out).astype(np.float64)
+        timings = {}
+        for var in GEMV_VARIANTS:
+            be.gemv_config[op] = var
+            ws.residual[...] = saved
+            calls[op](0)
+            got = be.to_numpy(out).astype(np.float64)
+            err = float(np.abs(got - ref).max() / max(1.0, np.abs(ref).max()))
+            ms = time_graph(lambda: [calls[op](i) for i in range(L)]) / L
+            timings[var] = {"ms": ms, "max_rel_err_vs_default": err, "ok": err < 4e-3}
+        best = min((v for v in GEMV_VARIANTS if timings[v]["ok"]), key=lambda v: timings[v]["ms"], default=default)
+        be.gemv_config[op] = best
+        result[op] = {"default": default, "chosen": best, "variants": timings}
+    ws.residual[...] = saved
+    return result
