@@ -5,6 +5,7 @@ package (bench/ included) against the one table of ladder/arrows.py, which docs/
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,12 @@ def test_the_table_names_every_top_level_package():
     assert set(ARROWS) == top_level_packages()
     for targets in ARROWS.values():
         assert targets <= set(ARROWS)
+
+
+def test_the_architecture_page_draws_the_same_table():
+    doc = (REPO / "docs" / "ARCHITECTURE.md").read_text()
+    rows = re.findall(r"^\| `(\w+)` +\| (.*?) *\|$", doc, flags=re.M)
+    assert {part: frozenset(re.findall(r"`(\w+)`", targets)) for part, targets in rows} == ARROWS
 
 
 def test_nothing_imports_bench():
