@@ -52,7 +52,7 @@ def check_decode_equals_prefill(model, reference, ids, case: str, shuffle_seed: 
     assert_close("decode_logits", logits, ref, full, backend=model.backend.name, case=case)
 
 
-@pytest.mark.parametrize("L", LENGTHS)
+@pytest.mark.parametrize("L", LENGTHS, ids=lambda L: f"L={L}")
 def test_decode_with_cache_equals_full_prefill(model, reference, L):
     ids = np.random.default_rng(L).integers(0, model.config.vocab_size, L)
     check_decode_equals_prefill(model, reference, ids, f"L={L}", shuffle_seed=L)
@@ -86,7 +86,7 @@ def test_generate_is_greedy_and_stops(model):
     assert model.cache.allocator.num_free == model.cache.num_pages, "generate must free its pages"
 
 
-@pytest.mark.parametrize("ids", [[0, 512], [-1], [3, 10**9]])
+@pytest.mark.parametrize("ids", [[0, 512], [-1], [3, 10**9]], ids=lambda ids: ",".join(map(str, ids)))
 def test_token_id_out_of_range_is_refused(model, ids):
     with pytest.raises(TokenIdError, match="out of range"):
         model.generate(ids, 1)

@@ -14,7 +14,7 @@ CFG = SHAPES["tiny"]
 
 
 def test_allocator_hands_out_every_page_once_then_refuses():
-    a = PageAllocator(5, shuffle_seed=3)
+    a = PageAllocator(num_pages=5, shuffle_seed=3)
     pages = [a.allocate() for _ in range(5)]
     assert sorted(pages) == list(range(5)) and pages != sorted(pages)
     with pytest.raises(OutOfPagesError, match="out of pages"):
