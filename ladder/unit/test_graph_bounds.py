@@ -26,7 +26,7 @@ from fixtures.dequantized import dequantized_weights
 from fixtures.prompts import Prompt
 from fixtures.tiny_model import random_model_file
 from kernels import get_backend
-from ladder import report as R
+from ladder import report as ladder_report
 from ladder.faults import plant
 from ladder.nested import run_pytest, skip_inside_nested_run
 from ladder.tokens import (GraphBounds, compare_greedy, derive_bounds, engine_logits, floor_prompts,
@@ -168,14 +168,14 @@ def test_the_report_carries_the_graph_summary_and_its_bounds(tmp_path):
                   "near_ties": [{"prompt_id": "p3", "position": 5, "step": 2, "ref_token": 7, "engine_token": 9,
                                  "margin": 0.004}]}
     unit_json = {"rungs": {"unit": {"passed": 1}}, "graph": [], "graph_bounds": [], "exit": 0, "seconds": 1.0}
-    rep = R.merge({"unit": unit_json, "graph": graph_json}, {"model": "m"})
+    rep = ladder_report.merge({"unit": unit_json, "graph": graph_json}, {"model": "m"})
     rep["meta"]["result"] = "passed"
     g = rep["graph"]
     assert g["bounds"] == [c.bounds.record()] and len(g["backends"]) == 1 and len(g["near_ties"]) == 1
     (s,) = g["backends"]
     assert (s["prompts"], s["positions"], s["exact"]) == (2, 2 * NEW_TOKENS, 2 * NEW_TOKENS)
-    R.write(tmp_path, rep)
-    assert R.load(tmp_path)["graph"] == json.loads(json.dumps(g))
+    ladder_report.write(tmp_path, rep)
+    assert ladder_report.load(tmp_path)["graph"] == json.loads(json.dumps(g))
     md = (tmp_path / "report.md").read_text()
     assert "## Graph rung" in md and f"| numpy | 2 | 0 | {2 * NEW_TOKENS} | {2 * NEW_TOKENS} | 0 | 0 |" in md
     for part in (f"floor {c.bounds.floor:.4g}", f"= {c.bounds.max_logit_diff:.4g}", f"= {c.bounds.eps:.4g}",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kernels import OPS
-from ladder import report as R
+from ladder import report as ladder_report
 
 
 def rung_result(rung: str, ops: list[tuple[str, float, bool]], calls: dict[str, int]) -> dict:
@@ -16,14 +16,14 @@ def rung_result(rung: str, ops: list[tuple[str, float, bool]], calls: dict[str, 
 
 def report(multiples: dict[str, tuple[float, bool]]) -> dict:
     ops = [(op, m, ok) for op, (m, ok) in multiples.items()]
-    return R.merge({"unit": rung_result("unit", ops, {op: 1 for op in OPS[:-1]})}, {"model": "m"})
+    return ladder_report.merge({"unit": rung_result("unit", ops, {op: 1 for op in OPS[:-1]})}, {"model": "m"})
 
 
 def test_baseline_flags_growth_past_the_limit_and_new_failures():
     base = report({"rmsnorm": (1.0, True), "qkv_proj": (1.0, True), "argmax": (0.0, True), "lm_head": (1.0, True)})
-    now = report({"rmsnorm": (R.BASELINE_GROWTH * 1.01, True), "qkv_proj": (R.BASELINE_GROWTH * 0.99, True),
+    now = report({"rmsnorm": (ladder_report.BASELINE_GROWTH * 1.01, True), "qkv_proj": (ladder_report.BASELINE_GROWTH * 0.99, True),
                   "argmax": (2.0, True), "lm_head": (9.0, False)})
-    found = R.compare_baseline(now, base)
+    found = ladder_report.compare_baseline(now, base)
     assert any("rmsnorm" in f and "grew" in f for f in found)
     assert not any("qkv_proj" in f for f in found), "growth under the limit is not a regression"
     assert any("argmax" in f and "was exact" in f for f in found)
@@ -33,13 +33,13 @@ def test_baseline_flags_growth_past_the_limit_and_new_failures():
 def test_an_op_no_rung_calls_is_a_coverage_finding():
     rep = report({"rmsnorm": (1.0, True)})
     assert rep["coverage"]["numpy"][OPS[-1]] == [] and rep["coverage"]["numpy"][OPS[0]] == ["unit"]
-    assert "**none: a finding**" in R.markdown({**rep, "meta": {**rep["meta"], "result": "FAILED"}})
+    assert "**none: a finding**" in ladder_report.markdown({**rep, "meta": {**rep["meta"], "result": "FAILED"}})
 
 
 def test_report_round_trips_through_its_folder(tmp_path):
     rep = report({"rmsnorm": (1.25, True)})
     rep["meta"]["result"] = "passed"
-    R.write(tmp_path, rep)
-    assert R.load(tmp_path) == rep
+    ladder_report.write(tmp_path, rep)
+    assert ladder_report.load(tmp_path) == rep
     md = (tmp_path / "report.md").read_text()
     assert "| unit | 0 | 3 | 0 | 1 |" in md and "1.25x" in md and "no GPU" in md
