@@ -249,8 +249,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 def chosen_command(argv: list[str]) -> str | None:
-    """The command `argv` names (its first word that is not an option), or None."""
-    return next((a for a in argv if not a.startswith("-")), None)
+    """The command `argv` names, or None (`nanoqwen` takes no option before the command but --help)."""
+    return argv[0] if argv and not argv[0].startswith("-") else None
 
 
 def main(argv=None) -> int:
