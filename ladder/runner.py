@@ -56,7 +56,7 @@ def rung_command(rung: str, out: Path, args, extra: list[str]) -> list[str]:
 
 def rung_environment() -> dict:
     """The rungs import the project from ROOT, and Hypothesis stores examples in the nanoqwen cache."""
-    from fixtures.tiny_model import cache_root
+    from engine.resolve import cache_root
 
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
