@@ -215,6 +215,8 @@ def cmd_inspect(args) -> int:
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser: the product's commands, and of `COMMANDS` none when `command` is a product command,
     only `command` when it is one of them, all of them otherwise (None, or an unknown command)."""
+    from kernels import backend_names  # the registry: a new backend needs no edit here
+
     p = _Parser(prog="nanoqwen", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -224,7 +226,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="prompt text (needs the model's tokenizer)")
     src.add_argument("--prompt-ids", type=token_ids_arg, help="comma-separated token ids, e.g. 1,2,3")
     g.add_argument("--max-new-tokens", type=non_negative_int, default=32)
-    g.add_argument("--backend", default="numpy", choices=["numpy", "cuda"])
+    g.add_argument("--backend", default="numpy", choices=backend_names())
     g.add_argument("--no-stop", action="store_true", help="do not stop at the end-of-text token")
     g.set_defaults(func=cmd_generate)
 

@@ -383,6 +383,8 @@ def _run(args) -> int:
 
 def register(subparsers) -> None:
     """Add the `bisect` subcommand to the `nanoqwen` parser's subparsers."""
+    from kernels import backend_names  # the registry: a new backend needs no edit here
+
     b = subparsers.add_parser(
         "bisect", help="find the first commit that turns a ladder selection red (in a temporary worktree)",
         description="Find the first commit between --good and --bad where a pytest selection turns red. "
@@ -391,7 +393,7 @@ def register(subparsers) -> None:
                     "nanoqwen bisect --good v0.1 --bad HEAD -- -m unit -k attention")
     b.add_argument("--good", required=True, metavar="REV", help="a revision where the selection passes")
     b.add_argument("--bad", default="HEAD", metavar="REV", help="a revision where it fails (default: HEAD)")
-    b.add_argument("--backend", choices=["numpy", "cuda", "all"], help="passed to pytest on every revision")
+    b.add_argument("--backend", choices=[*backend_names(), "all"], help="passed to pytest on every revision")
     b.add_argument("--repo", default=".", metavar="PATH", help="the repository (default: the current directory)")
     b.add_argument("-m", dest="markexpr", metavar="MARKEXPR", help="pytest -m (same as after '--')")
     b.add_argument("-k", dest="keyword", metavar="EXPR", help="pytest -k (same as after '--')")

@@ -276,6 +276,8 @@ DEFAULT_PROMPT = ("def fibonacci(n):\n    if n < 2:\n        return n\n    a, b 
 
 
 def register(subparsers) -> None:
+    from kernels import backend_names  # the registry: a new backend needs no edit here
+
     from engine.cli import non_negative_int, token_ids_arg
 
     d = subparsers.add_parser("descend", help="walk down to the first layer, then the first op, where the engine "
@@ -284,7 +286,7 @@ def register(subparsers) -> None:
     src = d.add_mutually_exclusive_group()
     src.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text (default: a short Python function)")
     src.add_argument("--prompt-ids", type=token_ids_arg, help="comma-separated token ids")
-    d.add_argument("--backend", default="numpy", choices=["numpy", "cuda"])
+    d.add_argument("--backend", default="numpy", choices=backend_names())
     d.add_argument("--decode-steps", type=non_negative_int,
                    help="how many of the last prompt tokens run as decode steps (default 17: across a page edge)")
     d.add_argument("--plant-fault", help="plant a fault from ladder/faults.py first (to see the descent find it)")

@@ -184,6 +184,8 @@ def print_table(rep: dict, show_coverage: bool) -> None:
 
 
 def register(sub) -> None:
+    from kernels import backend_names  # the registry: a new backend needs no edit here
+
     lad = sub.add_parser("ladder", help="run the unit, layer and graph rungs in order and write a report",
                          description="Run the unit, layer and graph rungs in order, each as its own pytest "
                                      "process, and write a report folder. Arguments after `--` go to every "
@@ -191,8 +193,9 @@ def register(sub) -> None:
     lad.add_argument("--model", help=".nanoqwen file or Hugging Face folder (default: the embedded default model)")
     lad.add_argument("--prompts", help="graph-rung prompts (JSON lines with 'id' and 'ids' or 'text'); default: "
                                        "the default prompt set, re-tokenized or drawn for a model of another vocab")
-    lad.add_argument("--backend", choices=["numpy", "cuda", "all"], help="default: numpy, plus cuda where present")
-    lad.add_argument("--require-backend", choices=["numpy", "cuda"], help="a backend that must run (skip = failure)")
+    lad.add_argument("--backend", choices=[*backend_names(), "all"],
+                     help="default: every registered backend; one this machine cannot run skips with its reason")
+    lad.add_argument("--require-backend", choices=backend_names(), help="a backend that must run (skip = failure)")
     lad.add_argument("--rungs", default=",".join(RUNGS), help="comma-separated subset, in order (default: all)")
     lad.add_argument("--keep-going", action="store_true", help="run every rung even after a red one")
     lad.add_argument("--report", help="report folder (default: reports/ladder-TIMESTAMP under the current folder)")
