@@ -161,7 +161,7 @@ def run_protocol(model, prompt, new_tokens):
         ev = []
         cp.cuda.Device().synchronize()
         t0 = time.perf_counter()
-        toks = model._graph.generate(seq, first, new_tokens - 1, (), events=ev)
+        toks = list(model._graph.tokens(seq, first, new_tokens - 1, events=ev))  # generate's graph token source
         wall.append((time.perf_counter() - t0) * 1e3 / len(toks))
         seq.free()
         if rep > 0:

@@ -132,26 +132,23 @@ def step_bytes(model, ctx: int) -> float:
 # ---- timing helpers -----------------------------------------------------------------------------
 
 def time_graph(fn, reps: int = 10, warm: int = 2) -> float:
-    """Capture fn() once as a CUDA graph; median ms of `reps` replays (CUDA events)."""
+    """Capture fn() once as a CUDA graph (engine/cuda_graph.capture); median ms of `reps` replays (CUDA events)."""
     import cupy as cp
 
+    from engine.cuda_graph import capture
+
     s = cp.cuda.Stream(non_blocking=True)
-    with s:
-        fn()  # eager once: scratch exists before the capture
-        s.synchronize()
-        s.begin_capture()
-        fn()
-        g = s.end_capture()
-        for _ in range(warm):
-            g.launch(s)
-        times = []
-        for _ in range(reps):
-            a, b = cp.cuda.Event(), cp.cuda.Event()
-            a.record(s)
-            g.launch(s)
-            b.record(s)
-            b.synchronize()
-            times.append(cp.cuda.get_elapsed_time(a, b))
+    g = capture(fn, s, what="the timed ops")  # the engine's capture helper: eager once, then captured
+    for _ in range(warm):
+        g.launch()
+    times = []
+    for _ in range(reps):
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record(s)
+        g.launch()
+        b.record(s)
+        b.synchronize()
+        times.append(cp.cuda.get_elapsed_time(a, b))
     return float(np.median(times))
 
 

@@ -1,31 +1,38 @@
-"""The decode step as a captured CUDA graph (a backend with `supports_graphs`: the cuda one).
+"""The decode step as a captured CUDA graph (a backend with `supports_graphs`: the cuda one), and
+`capture`, the one capture helper the engine, the layer rung (ladder/blockrun.py) and the bench use.
 
     model = engine.load(path, backend="cuda")
-    model.enable_cuda_graph()          # decode_step now replays one graph per token
+    model.enable_cuda_graph()          # Model.step / decode_step now replay one graph per token
     logits = model.decode_step(seq, token_id)
 
-What is captured: `Model._forward` for one token (embed, every decoder block, final norm, lm_head) and
-the argmax into `model._next`, so the next token id stays on the device. What is not: the host-side
-page allocation (`seq.reserve`) and the three input copies into fixed device buffers (token id,
-position, page table), which run on the graph's stream just before each replay. The kernels read the
-position and the page table from those buffers, so one graph serves every position and page boundary.
+`capture(fn, stream)` runs `fn` once eagerly on `stream` (compiles, allocates every scratch buffer, so
+nothing is allocated inside the capture), then captures a second run; it returns a `Graph` whose
+`launch()` queues one replay on that stream. An `fn` that cannot be captured (one that copies to the
+host, say) raises GraphCaptureError.
+
+What DecodeGraph captures: `Model.forward_step` for one token (embed, every decoder block, final norm,
+lm_head), the same function the eager step runs, and the argmax into `model._next`, so the next token
+id stays on the device. What is not: the host-side page allocation (`seq.reserve`) and the three input
+copies into fixed device buffers (token id, position, page table), which run on the graph's stream
+just before each replay. The kernels read the position and the page table from those buffers, so one
+graph serves every position and page boundary.
 
 The graph is captured again when what it baked in changes: the ops bound on the backend (the ladder
 wraps one to plant a fault or capture activations; a wrapper is a different object), the KV cache
-(`Model.use_cache`) or the layer weights. Before each capture the step runs once eagerly on the same
-inputs (idempotent: it writes the same K/V slot and logits), so every scratch buffer exists and no
-allocation happens inside the capture. A wrapper that cannot be captured (one that copies to the
-host, say) raises GraphCaptureError; turn the graph off with `model.enable_cuda_graph(False)` for it.
+(`Model.use_cache`) or the layer weights. The eager warm-up of `capture` runs on the same inputs as the
+captured run (idempotent: it writes the same K/V slot and logits). Turn the graph off with
+`model.enable_cuda_graph(False)` for a wrapper that cannot be captured.
 
 Two ways to drive it:
 - `step(seq, ids)`: one token from the host, returns the device logits after a synchronize (what
-  `Model.decode_step` and the ladder use; the logits are copied to the host by the caller).
-- `generate(seq, first_id, n, stop)`: the fast loop `Model.generate` uses. Pages for all n steps are
-  reserved and the page table copied once; then per token: replay the graph, `decode_advance` (the
-  picked token becomes the next input, the position moves on, on the device), and an asynchronous
-  4-byte copy of the token into pinned host memory. The host reads token i only after step i + 1 is
-  queued, so the GPU always has the next step waiting; logits never leave the device. A stop token
-  found late costs one wasted step, whose K/V slot lies past the sequence's length.
+  `Model.step` uses on this path; a caller that reads the logits copies them to the host).
+- `tokens(seq, first_id, n)`: the token source `Model.generate`'s loop reads on this path (a generator).
+  Pages for all n steps are reserved and the page table copied once; then per token: replay the graph,
+  `decode_advance` (the picked token becomes the next input, the position moves on, on the device),
+  and an asynchronous 4-byte copy of the token into pinned host memory. Token i is yielded only after
+  step i + 1 is queued, so the GPU always has the next step waiting; logits never leave the device.
+  A consumer that stops early (a stop token) leaves one wasted step queued, whose K/V slot lies past
+  the sequence's length; closing the generator waits for it and sets the sequence's length.
 """
 
 from __future__ import annotations
@@ -38,7 +45,38 @@ DECODE_OPS = ("embed", "rmsnorm", "qkv_proj", "rope_kv_write", "attention_decode
 
 
 class GraphCaptureError(RuntimeError):
-    """The decode step could not be captured as a CUDA graph."""
+    """A function (the decode step, a block, a bench loop) could not be captured as a CUDA graph."""
+
+
+class Graph:
+    """A captured CUDA graph and the stream it replays on."""
+
+    def __init__(self, graph, stream):
+        self.graph, self.stream = graph, stream
+
+    def launch(self) -> None:
+        """Queue one replay on the graph's stream (asynchronous)."""
+        self.graph.launch(self.stream)
+
+
+def capture(fn, stream, what: str = "the function", hint: str = "") -> Graph:
+    """`fn()` run once eagerly on `stream` (compiles, allocates scratch), then captured on it: a Graph."""
+    with stream:
+        fn()  # eager warm-up on the same inputs: nothing is allocated inside the capture
+        stream.synchronize()
+        try:
+            stream.begin_capture()
+            fn()
+            graph = stream.end_capture()
+        except Exception as e:
+            if stream.is_capturing():
+                try:
+                    stream.end_capture()
+                except Exception:
+                    pass  # the capture is already invalid; ending it only discards it
+            raise GraphCaptureError(f"could not capture {what} as a CUDA graph ({type(e).__name__}: {e})"
+                                    + (f"; {hint}" if hint else "")) from e
+    return Graph(graph, stream)
 
 
 class DecodeGraph:
@@ -65,28 +103,14 @@ class DecodeGraph:
 
     def _body(self):
         m = self.model
-        m._forward(m._decode_ws, self._page_table, 1)
+        m.forward_step(m._decode_ws, self._page_table, 1)
         m.backend.argmax(m._logits, m._next)
 
     def _capture(self):
-        s = self.stream
         self.graph = None
-        self._body()  # eager warm-up on the same inputs: compiles nothing new, allocates scratch
-        s.synchronize()
-        try:
-            s.begin_capture()
-            self._body()
-            graph = s.end_capture()
-        except Exception as e:
-            if s.is_capturing():
-                try:
-                    s.end_capture()
-                except Exception:
-                    pass  # the capture is already invalid; ending it only discards it
-            raise GraphCaptureError(f"could not capture the decode step as a CUDA graph ({type(e).__name__}: {e}); "
-                                    "an op wrapper that copies to the host cannot be captured: call "
-                                    "model.enable_cuda_graph(False) to run it eagerly") from e
-        self.graph = graph
+        self.graph = capture(self._body, self.stream, what="the decode step",
+                             hint="an op wrapper that copies to the host cannot be captured: call "
+                                  "model.enable_cuda_graph(False) to run it eagerly")
         self.captures += 1
 
     def _prepare(self, seq, ids):
@@ -105,47 +129,44 @@ class DecodeGraph:
             self._capture()
             self._key = key
 
-    def generate(self, seq, first_id: int, n: int, stop=(), events: list | None = None) -> list[int]:
-        """Up to n decode steps from token first_id at position seq.length; the tokens they pick.
+    def tokens(self, seq, first_id: int, n: int, events: list | None = None):
+        """Yield the tokens of up to n decode steps from token first_id at position seq.length.
 
-        Stops after a token in `stop` (included). `events`, when given, gets a CUDA event recorded
-        after each step (the bench times steps with them)."""
+        `events`, when given, gets a CUDA event recorded after each step (the bench times steps with
+        them). The consumer may stop early; closing the generator waits for the queued steps and sets
+        seq.length to the position after the last token yielded."""
         cp, m = self._cp, self.model
         ws = m._decode_ws
         if n <= 0:
-            return []
+            return
         seq.reserve(n)
         host = cp.cuda.alloc_pinned_memory(4 * n)
         tokens = np.frombuffer(host, dtype=np.int32, count=n)
         done: list = []
-        out: list[int] = []
-        start = seq.length
-        with self.stream:
-            self._prepare(seq, [first_id])
+        start, taken = seq.length, 0
+        try:
+            with self.stream:
+                self._prepare(seq, [first_id])
             for i in range(n):
-                self.graph.launch(self.stream)
-                m.backend.decode_advance(m._next, ws.ids, ws.positions)  # an op of docs/BACKEND.md
-                cp.cuda.runtime.memcpyAsync(tokens.ctypes.data + 4 * i, m._next.data.ptr, 4,
-                                            cp.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
-                ev = self.stream.record()
+                with self.stream:  # entered per step: the stream is not current while the consumer runs
+                    self.graph.launch()
+                    m.backend.decode_advance(m._next, ws.ids, ws.positions)  # an op of docs/BACKEND.md
+                    cp.cuda.runtime.memcpyAsync(tokens.ctypes.data + 4 * i, m._next.data.ptr, 4,
+                                                cp.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
+                    ev = self.stream.record()
                 done.append(ev)
                 if events is not None:
                     events.append(ev)
-                if i >= 1 and self._collect(done, tokens, out, i - 1, stop):
-                    break
-            else:
-                self._collect(done, tokens, out, n - 1, stop)
+                if i >= 1:  # step i is queued: read step i - 1's token
+                    done[i - 1].synchronize()
+                    taken += 1
+                    yield int(tokens[i - 1])
+            done[n - 1].synchronize()
+            taken += 1
+            yield int(tokens[n - 1])
+        finally:
             self.stream.synchronize()
-        seq.length = start + len(out)
-        return out
-
-    @staticmethod
-    def _collect(done, tokens, out, i, stop) -> bool:
-        """Wait for step i's token; append it; True when it is a stop token."""
-        done[i].synchronize()
-        tok = int(tokens[i])
-        out.append(tok)
-        return tok in stop
+            seq.length = start + taken
 
     def step(self, seq, ids: np.ndarray):
         """One token through the model at position seq.length; returns the device logits (fp32 [V])."""
@@ -153,7 +174,7 @@ class DecodeGraph:
         seq.reserve(1)
         with self.stream:
             self._prepare(seq, ids)
-            self.graph.launch(self.stream)
+            self.graph.launch()
             self.stream.synchronize()
         seq.length += 1
         return m._logits

@@ -10,6 +10,13 @@ A step-by-step API serves the ladder (teacher forcing, activation capture):
     logits = model.decode_step(seq, token_id)     # one token, fixed buffers (capturable)
     seq.free()
 
+One decode step, two layers: `forward_step(ws, page_table, T)` is the device work (embed, blocks,
+final norm, lm_head), the function the eager path runs and engine/cuda_graph.py captures; `step(seq,
+token)` runs one token (eagerly or as the captured graph) and leaves the logits on the device;
+`decode_step` is `step` plus the host copy, for callers that read the logits. `generate` is one loop
+over a token source: eager steps with an on-device argmax, or the graph's on-device loop
+(`DecodeGraph.tokens`); logits never reach the host there.
+
 Tensor names are Hugging Face's; q/k/v and gate/up are fused here, at load.
 """
 
@@ -94,12 +101,13 @@ class Model:
         seq.reserve(T)
         ws.ids[...] = be.asarray(ids)
         ws.positions[...] = be.asarray(np.arange(seq.length, seq.length + T, dtype=np.int32))
-        self._forward(ws, seq.page_table, T)
+        self.forward_step(ws, seq.page_table, T)
         seq.length += T
         return self._logits
 
-    def _forward(self, ws: Workspace, page_table, T: int) -> None:
-        """Device work only (embed, blocks, final norm, lm_head): what engine/cuda_graph.py captures."""
+    def forward_step(self, ws: Workspace, page_table, T: int) -> None:
+        """Device work only (embed, blocks, final norm, lm_head) for the T tokens in `ws`, the logits of
+        the last into self._logits: the eager step, the prefill, and what engine/cuda_graph.py captures."""
         be, c = self.backend, self.config
         be.embed(ws.ids, self.embed_tokens, ws.residual)
         for i, w in enumerate(self.layers):
@@ -107,20 +115,29 @@ class Model:
         be.rmsnorm(ws.residual[T - 1: T], self.norm, c.rms_norm_eps, self._final_h)
         be.lm_head(self._final_h, self.lm_head, self._logits)
 
-    def prefill(self, seq: Sequence, ids) -> np.ndarray:
-        """Run the prompt through the model; returns the last position's fp32 logits (host copy)."""
+    def _prefill(self, seq: Sequence, ids):
+        """Run the prompt through the model; the last position's fp32 logits stay on the device."""
         ids = self.check_ids(ids)
         if seq.length + len(ids) > min(self.cache.capacity, self.config.max_position_embeddings):
             raise PromptTooLongError(f"prompt of {len(ids)} tokens (after {seq.length}) is longer than the "
                                      f"cache's {min(self.cache.capacity, self.config.max_position_embeddings)} tokens")
-        return self.backend.to_numpy(self._run(seq, ids, Workspace(self.backend, self.config, len(ids)))).copy()
+        return self._run(seq, ids, Workspace(self.backend, self.config, len(ids)))
+
+    def prefill(self, seq: Sequence, ids) -> np.ndarray:
+        """Run the prompt through the model; returns the last position's fp32 logits (host copy)."""
+        return self.backend.to_numpy(self._prefill(seq, ids)).copy()
+
+    def step(self, seq: Sequence, token_id: int):
+        """One token through the model at position seq.length (the captured graph once
+        enable_cuda_graph() is on, else eagerly); returns the fp32 logits [V] on the device, no copy."""
+        ids = self.check_ids([token_id])
+        if self._graph is not None:
+            return self._graph.step(seq, ids)
+        return self._run(seq, ids, self._decode_ws)
 
     def decode_step(self, seq: Sequence, token_id: int) -> np.ndarray:
         """One token through the model at position seq.length; returns fp32 logits (host copy)."""
-        ids = self.check_ids([token_id])
-        if self._graph is not None:
-            return self.backend.to_numpy(self._graph.step(seq, ids)).copy()
-        return self.backend.to_numpy(self._run(seq, ids, self._decode_ws)).copy()
+        return self.backend.to_numpy(self.step(seq, token_id)).copy()
 
     def enable_cuda_graph(self, enabled: bool = True) -> None:
         """Run decode_step as one captured graph per token (a backend with supports_graphs; engine/cuda_graph.py)."""
@@ -143,31 +160,44 @@ class Model:
         stop = {int(s) for s in stop_ids if s is not None}
         seq = self.new_sequence()
         out: list[int] = []
+        tokens = None
         try:
             t0 = time.perf_counter()
-            self.prefill(seq, ids)
+            self._prefill(seq, ids)
             if timings is not None:
                 timings.prefill_s = time.perf_counter() - t0
-            if self._graph is not None and max_new_tokens > 0:  # fast path: tokens stay on the device
-                out.append(self._argmax())
-                if out[0] not in stop and max_new_tokens > 1:
-                    t0 = time.perf_counter()
-                    new = self._graph.generate(seq, out[0], max_new_tokens - 1, stop)
-                    if timings is not None and new:  # the loop is asynchronous: the mean per token
-                        timings.decode_s.extend([(time.perf_counter() - t0) / len(new)] * len(new))
-                    out.extend(new)
-            while len(out) < max_new_tokens and not (out and out[-1] in stop):
-                token = self._argmax()
+            if max_new_tokens == 0:
+                return out
+            first = self._argmax()
+            tokens = self._token_source(seq, first, max_new_tokens - 1)
+            token, t0 = first, time.perf_counter()
+            while True:  # the one decode loop: the token source is the eager step or the graph's
                 out.append(token)
                 if token in stop or len(out) == max_new_tokens:
                     break
-                t0 = time.perf_counter()
-                self.decode_step(seq, token)
+                token = next(tokens)
                 if timings is not None:
-                    timings.decode_s.append(time.perf_counter() - t0)
+                    t1 = time.perf_counter()
+                    timings.decode_s.append(t1 - t0)
+                    t0 = t1
         finally:
+            if tokens is not None:
+                tokens.close()  # the graph's source waits for its queued step and sets seq.length
             seq.free()
         return out
+
+    def _token_source(self, seq: Sequence, first: int, n: int):
+        """The next n greedy tokens after `first`, one per decode step, as generate's loop asks for them:
+        the captured graph's on-device loop (engine/cuda_graph.py), or eager steps and an on-device argmax."""
+        if self._graph is not None:
+            return self._graph.tokens(seq, first, n)
+        return self._eager_tokens(seq, first, n)
+
+    def _eager_tokens(self, seq: Sequence, token: int, n: int):
+        for _ in range(n):
+            self.step(seq, token)  # logits stay on the device: the argmax reads them there
+            token = self._argmax()
+            yield token
 
     def _argmax(self) -> int:
         """Greedy pick on the device, from the logits of the last prefill or decode step."""

@@ -63,8 +63,11 @@ def run_engine_block(backend, config: Qwen2Config, quant: str, get, case: LayerC
 
 
 def _captured(body):
-    """`body` captured once as a CUDA graph (after one eager warm-up run); returns its replay."""
+    """`body` captured once as a CUDA graph by engine/cuda_graph.capture (the engine's capture helper,
+    after its eager warm-up run); returns the replay: one launch on the graph's stream, then a wait."""
     import cupy
+
+    from engine.cuda_graph import capture
 
     stream = cupy.cuda.Stream(non_blocking=True)
     graph = None
@@ -73,12 +76,9 @@ def _captured(body):
         nonlocal graph
         with stream:
             stream.wait_event(cupy.cuda.Stream.null.record())
-            if graph is None:
-                body()  # warm-up: compiles, allocates scratch; the replay below redoes the same step
-                stream.begin_capture()
-                body()
-                graph = stream.end_capture()
-            graph.launch(stream)
-            stream.synchronize()
+        if graph is None:
+            graph = capture(body, stream, what="the decoder block's decode step")
+        graph.launch()
+        stream.synchronize()
 
     return replay
