@@ -71,23 +71,74 @@ def test_rmsnorm_matches_reference_within_noise_floor(backend, T, H, eps, kind, 
     assert_close("rmsnorm", host(backend, out), ref, plain, backend=backend.name, case=f"T={T},H={H},{kind}", seed=seed)
 
 
+@pytest.mark.parametrize("T,first", [(1, 0), (1, 3), (4, 1)])
+def test_rmsnorm_reads_rows_of_a_larger_buffer(backend, T, first):
+    # The engine normalizes a row slice of its residual buffer (the final norm reads row 0 of [T, H]).
+    rng = rng_for(first)
+    H = 3584
+    x = (rng.standard_normal((T + 4, H)) * 3).astype(F32)
+    w = fp16(rng, (H,), 0.5) + F16(1.0)
+    rows = x[first:first + T]
+    ref = ref_ops.ref_rmsnorm(rows, w, 1e-6)
+    plain = _round(ref_ops.ref_rmsnorm(rows, w, 1e-6, dtype=F32), F16)
+    out = sentinel(backend, (T, H), F16)
+    backend.rmsnorm(dev(backend, x)[first:first + T], dev(backend, w), 1e-6, out)
+    assert_close("rmsnorm", host(backend, out), ref, plain, backend=backend.name,
+                 case=f"T={T},H={H},rows {first}..{first + T} of {T + 4}", seed=first)
+
+
 # --- quantized linears ---------------------------------------------------------------------------
+
+
+def check_qkv_proj(backend, fmt, T, in_f, out_f, seed, case=""):
+    """qkv_proj on [T, in_f] x [out_f, in_f] against ref_linear with the bias; also used by test_cuda_variants."""
+    rng = rng_for(seed)
+    x = fp16(rng, (T, in_f))
+    w = quantizable_weight(rng, out_f, in_f)
+    bias = fp16(rng, (out_f,), 0.5)
+    qw, wref = _quantized(backend, fmt, w)
+    ref = ref_ops.ref_linear(x, wref, bias)
+    plain = _round(ref_ops.ref_linear(x, wref, bias, dtype=F32), F16)
+    out = sentinel(backend, (T, out_f), F16)
+    backend.qkv_proj(dev(backend, x), qw, dev(backend, bias), out)
+    assert_close("qkv_proj", host(backend, out), ref, plain, backend=backend.name,
+                 case=f"T={T},in={in_f},out={out_f}{case}", seed=seed)
+
+
+def check_linear_residual(backend, fmt, op, T, in_f, out_f, seed, case=""):
+    """o_proj_residual / down_residual: residual += x W^T against the reference sum."""
+    rng = rng_for(seed)
+    x = fp16(rng, (T, in_f))
+    w = quantizable_weight(rng, out_f, in_f)
+    resid = (rng.standard_normal((T, out_f)) * 4).astype(F32)
+    qw, wref = _quantized(backend, fmt, w)
+    ref = resid + ref_ops.ref_linear(x, wref)
+    plain = resid + ref_ops.ref_linear(x, wref, dtype=F32)
+    out = dev(backend, resid.copy())
+    getattr(backend, op)(dev(backend, x), qw, out)
+    assert_close(op, host(backend, out), ref, plain, backend=backend.name,
+                 case=f"T={T},in={in_f},out={out_f}{case}", seed=seed)
+
+
+def check_gate_up_silu(backend, fmt, T, H, inter, seed, case=""):
+    """gate_up_silu on rows [gate; up] of [2 inter, H] against ref_gate_up_silu."""
+    rng = rng_for(seed)
+    x = fp16(rng, (T, H))
+    w = quantizable_weight(rng, 2 * inter, H, scale=0.1)  # rows [gate; up]
+    qw, wref = _quantized(backend, fmt, w)
+    ref = ref_ops.ref_gate_up_silu(x, wref[:inter], wref[inter:])
+    plain = _round(ref_ops.ref_gate_up_silu(x, wref[:inter], wref[inter:], dtype=F32), F16)
+    out = sentinel(backend, (T, inter), F16)
+    backend.gate_up_silu(dev(backend, x), qw, out)
+    assert_close("gate_up_silu", host(backend, out), ref, plain, backend=backend.name,
+                 case=f"T={T},H={H},I={inter}{case}", seed=seed)
 
 
 @given(shape=linear_shapes(), seed=seeds)
 @example(shape=(1, 128, 8, 0), seed=0)
 def test_qkv_proj_with_bias(backend, quant_format, shape, seed):
     T, in_f, out_f, _ = shape
-    rng = rng_for(seed)
-    x = fp16(rng, (T, in_f))
-    w = quantizable_weight(rng, out_f, in_f)
-    bias = fp16(rng, (out_f,), 0.5)
-    qw, wref = _quantized(backend, quant_format, w)
-    ref = ref_ops.ref_linear(x, wref, bias)
-    plain = _round(ref_ops.ref_linear(x, wref, bias, dtype=F32), F16)
-    out = sentinel(backend, (T, out_f), F16)
-    backend.qkv_proj(dev(backend, x), qw, dev(backend, bias), out)
-    assert_close("qkv_proj", host(backend, out), ref, plain, backend=backend.name, case=f"T={T},in={in_f},out={out_f}", seed=seed)
+    check_qkv_proj(backend, quant_format, T, in_f, out_f, seed)
 
 
 @pytest.mark.parametrize("op", ["o_proj_residual", "down_residual"])
@@ -95,30 +146,13 @@ def test_qkv_proj_with_bias(backend, quant_format, shape, seed):
 @example(shape=(1, 512, 128, 0), seed=0)
 def test_linear_residual_adds_into_fp32_stream(backend, quant_format, op, shape, seed):
     T, in_f, out_f, _ = shape
-    rng = rng_for(seed)
-    x = fp16(rng, (T, in_f))
-    w = quantizable_weight(rng, out_f, in_f)
-    resid = (rng.standard_normal((T, out_f)) * 4).astype(F32)
-    qw, wref = _quantized(backend, quant_format, w)
-    ref = resid + ref_ops.ref_linear(x, wref)
-    plain = resid + ref_ops.ref_linear(x, wref, dtype=F32)
-    out = dev(backend, resid.copy())
-    getattr(backend, op)(dev(backend, x), qw, out)
-    assert_close(op, host(backend, out), ref, plain, backend=backend.name, case=f"T={T},in={in_f},out={out_f}", seed=seed)
+    check_linear_residual(backend, quant_format, op, T, in_f, out_f, seed)
 
 
 @given(T=st.integers(1, 6), H=st.sampled_from((128, 256, 384)), inter=st.sampled_from((128, 256, 768)), seed=seeds)
 @example(T=1, H=128, inter=128, seed=0)
 def test_gate_up_silu_fused(backend, quant_format, T, H, inter, seed):
-    rng = rng_for(seed)
-    x = fp16(rng, (T, H))
-    w = quantizable_weight(rng, 2 * inter, H, scale=0.1)  # rows [gate; up]
-    qw, wref = _quantized(backend, quant_format, w)
-    ref = ref_ops.ref_gate_up_silu(x, wref[:inter], wref[inter:])
-    plain = _round(ref_ops.ref_gate_up_silu(x, wref[:inter], wref[inter:], dtype=F32), F16)
-    out = sentinel(backend, (T, inter), F16)
-    backend.gate_up_silu(dev(backend, x), qw, out)
-    assert_close("gate_up_silu", host(backend, out), ref, plain, backend=backend.name, case=f"T={T},H={H},I={inter}", seed=seed)
+    check_gate_up_silu(backend, quant_format, T, H, inter, seed)
 
 
 # --- RoPE and the KV page write ------------------------------------------------------------------
