@@ -140,7 +140,8 @@ class Model:
         return self.backend.to_numpy(self.step(seq, token_id)).copy()
 
     def enable_cuda_graph(self, enabled: bool = True) -> None:
-        """Run decode_step as one captured graph per token (a backend with supports_graphs; engine/cuda_graph.py)."""
+        """Run step/decode_step, and generate's decode loop, as one captured graph per token (a backend with
+        supports_graphs; engine/cuda_graph.py)."""
         if not enabled:
             self._graph = None
             return
@@ -194,6 +195,7 @@ class Model:
         return self._eager_tokens(seq, first, n)
 
     def _eager_tokens(self, seq: Sequence, token: int, n: int):
+        """Eager token source: one step, then the argmax on the device; only the token id is read back."""
         for _ in range(n):
             self.step(seq, token)  # logits stay on the device: the argmax reads them there
             token = self._argmax()
