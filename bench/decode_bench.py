@@ -7,7 +7,7 @@ What it does, in order, on one GPU, with no checkpoint:
    this machine's: floor = bytes a decode step must read / copy rate;
 2. seeded random INT4 weights of the shape, made on the GPU (a hash of the tensor's name and index,
    so a rerun builds the same model);
-3. (optional) a sweep of the GEMV kernel variants per op, each checked against the default variant,
+3. (optional) a sweep of the GEMV kernel variants per op, each checked against reference/ops.py (TOL),
    times with cold weights (all layers in one graph);
 4. correctness before any time is printed: greedy tokens of the captured graph == eager, and the first
    8 tokens agree with a float32 PyTorch run of the same dequantized weights (teacher-forced on the
