@@ -1,2 +1,2 @@
-"""Benchmarks and GPU check scripts: `nanoqwen bench` (decode_bench.py), the CUDA self-check and the
-sanitizer run. Results and the reasoning behind each version live in NOTES.md."""
+"""Benchmarks and GPU check scripts: `nanoqwen bench` (decode_bench.py) and the
+sanitizer run (the unit rung's checks under compute-sanitizer). Results and the reasoning behind each version live in NOTES.md."""

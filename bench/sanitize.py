@@ -7,7 +7,8 @@ First two planted kernels must be flagged, or the script fails (a blind sanitize
   - `planted_divergent_barrier`: a __syncthreads inside a warp-divergent branch, and a shared-memory
     read of a value another warp wrote with no barrier between them (racecheck).
 Then every op of the backend at small shapes (GEMV and prefill paths, split-K attention with NaN-filled
-free pages, RoPE page writes, lm_head, argmax) must run with no error under both tools.
+free pages, RoPE page writes, lm_head, argmax), through the unit rung's checks (ladder/unit/test_ops.py,
+against reference/), must run with no error and pass under both tools.
 
 CuPy's memory pool is turned off in the checked process (`cupy.cuda.set_allocator(None)`): with the pool
 on, an out-of-bounds write lands inside a larger pooled block and memcheck does not see it.
@@ -75,30 +76,34 @@ def child(what: str) -> None:
         print("SANITIZE-CHILD-DONE", flush=True)
         return
 
+    from engine.formats import get_format
+    from fixtures.strategies import PagedCase
     from kernels import get_backend
-    from bench.cuda_selfcheck import Checker, Report
+    from ladder.unit import test_ops as unit
 
-    rep = Report()
-    c = Checker(get_backend("cuda"), get_backend("numpy"), rep, seed=1)
-    c.embed(3, 100, 128)
-    c.rmsnorm(2, 256, sliced=True)
-    for T in (1, 3):
-        c.linear("qkv_proj", T, 72, 256)
-        c.linear("o_proj_residual", T, 128, 256)
-        c.linear("gate_up_silu", T, 2 * 40, 128)
-        c.linear("down_residual", T, 136, 256)
-    c.rope(1, 4, 2, 64, 17, 4)
-    c.rope(5, 7, 1, 128, 12, 4)
-    for group, d in ((1, 64), (7, 128)):
-        c.attention("decode", group, 2, d, 17)
-        c.attention("decode", group, 2, d, 33, pages_per_split=1)
-        c.attention("prefill", group, 2, d, 17)
-    c.lm_head_argmax(300, 128)
-    cp.cuda.Device().synchronize()
-    bad = rep.failed()
-    if bad:
-        print(f"SANITIZE-CHILD-WRONG-RESULTS {len(bad)}", flush=True)
+    # The unit rung's own checks (against reference/ops.py with the ladder's tolerance table), at small shapes.
+    be, fmt = get_backend("cuda"), get_format("int4_sym_g128")
+    try:
+        unit.test_embed_copies_rows_exactly(backend=be)
+        unit.test_rmsnorm_reads_rows_of_a_larger_buffer(be, 2, 1)
+        for T in (1, 3):  # the GEMV path, then the prefill path
+            unit.check_qkv_proj(be, fmt, T, 256, 72, seed=1)
+            unit.check_linear_residual(be, fmt, "o_proj_residual", T, 256, 128, seed=1)
+            unit.check_gate_up_silu(be, fmt, T, 128, 40, seed=1)
+            unit.check_linear_residual(be, fmt, "down_residual", T, 256, 136, seed=1)
+        unit.test_rope_kv_write_rotates_and_writes_only_its_slots(backend=be)
+        for nq, nkv, d in ((2, 2, 64), (14, 2, 128)):
+            for L, T in ((17, 1), (17, 17)):
+                unit._check_attention(be, "attention_decode" if T == 1 else "attention_prefill",
+                                      PagedCase.build(seed=L, L=L, T=T, nq=nq, nkv=nkv, d=d, layout="shuffled"))
+        be.pages_per_split = 1  # split-K with empty splits and the combine
+        unit._check_attention(be, "attention_decode", PagedCase.build(seed=33, L=33, T=1, nq=14, nkv=2, d=128, layout="sparse"))
+        unit.test_lm_head_fp16_weight_fp32_logits(backend=be)
+        unit.test_argmax_lowest_index_wins_a_tie(backend=be)
+    except AssertionError as e:
+        print(f"SANITIZE-CHILD-WRONG-RESULTS {e}", flush=True)
         sys.exit(3)
+    cp.cuda.Device().synchronize()
     print("SANITIZE-CHILD-DONE", flush=True)
 
 
