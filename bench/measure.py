@@ -278,6 +278,7 @@ def sweep_gemv(model, seq, token):
     ws = model._decode_ws
     set_decode_inputs(model, seq, token)
     calls = block_op_calls(model, seq)
+    be.embed(ws.ids, model.embed_tokens, ws.residual)  # the residual a decode step starts from
     saved = ws.residual.copy()
     for name in ("rmsnorm", "qkv_proj", "rope_kv_write", "attention_decode", "gate_up_silu"):
         calls[name](0)  # every op's input now holds layer 0's values at this position
