@@ -16,7 +16,6 @@ import importlib.util
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 import engine
