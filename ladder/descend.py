@@ -32,7 +32,7 @@ from fixtures.dequantized import dequantized_weights
 from fixtures.layer_cases import LayerCase
 from ladder.blockrun import run_engine_block
 from ladder.compare import measure
-from reference import ops as R
+from reference import ops as ref_ops
 from reference.model import ref_block
 
 F16, F32 = np.float16, np.float32
@@ -116,36 +116,36 @@ def op_checks(calls, config: Qwen2Config, w: dict, layer: int) -> list[Check]:
             x, weight, eps = before[0], before[1], before[2]
             name = "input_layernorm" if norms % 2 == 0 else "post_attention_layernorm"
             norms += 1
-            out.append(check(f"{label} ({name})", after[3], R.ref_rmsnorm(x, weight, eps),
-                             R.ref_rmsnorm(x, weight, eps, dtype=F32).astype(F16), ("rmsnorm", "float16"), i))
+            out.append(check(f"{label} ({name})", after[3], ref_ops.ref_rmsnorm(x, weight, eps),
+                             ref_ops.ref_rmsnorm(x, weight, eps, dtype=F32).astype(F16), ("rmsnorm", "float16"), i))
         elif op == "qkv_proj":
             x = before[0]
-            out.append(check(label, after[3], R.ref_linear(x, qkv_w, qkv_b),
-                             R.ref_linear(x, qkv_w, qkv_b, dtype=F32).astype(F16), ("qkv_proj", "float16"), i))
+            out.append(check(label, after[3], ref_ops.ref_linear(x, qkv_w, qkv_b),
+                             ref_ops.ref_linear(x, qkv_w, qkv_b, dtype=F32).astype(F16), ("qkv_proj", "float16"), i))
         elif op == "rope_kv_write":
             qkv, pos, table, theta = before[0], before[1], before[4], before[5]
             T = qkv.shape[0]
             q_in = qkv[:, : nq * d].reshape(T, nq, d)
             k_in = qkv[:, nq * d: (nq + nkv) * d].reshape(T, nkv, d)
-            out.append(check(f"{label} (q)", after[6], R.ref_rope(q_in, pos, theta),
-                             R.ref_rope(q_in, pos, theta, dtype=F32).astype(F16), ("rope_kv_write", "float16"), i))
+            out.append(check(f"{label} (q)", after[6], ref_ops.ref_rope(q_in, pos, theta),
+                             ref_ops.ref_rope(q_in, pos, theta, dtype=F32).astype(F16), ("rope_kv_write", "float16"), i))
             k_pages = after[2]
             k_written = np.stack([k_pages[table[t // PAGE], :, t % PAGE] for t in pos])
-            out.append(check(f"{label} (k)", k_written, R.ref_rope(k_in, pos, theta),
-                             R.ref_rope(k_in, pos, theta, dtype=F32).astype(F16), ("rope_kv_write", "float16"), i))
+            out.append(check(f"{label} (k)", k_written, ref_ops.ref_rope(k_in, pos, theta),
+                             ref_ops.ref_rope(k_in, pos, theta, dtype=F32).astype(F16), ("rope_kv_write", "float16"), i))
         elif op in ("attention_prefill", "attention_decode"):
             q, kp, vp, table, pos = before[:5]
-            out.append(check(label, after[5], R.ref_paged_attention(q, kp, vp, table, pos),
-                             R.ref_paged_attention(q, kp, vp, table, pos, dtype=F32).astype(F16), ("attention", "float16"), i))
+            out.append(check(label, after[5], ref_ops.ref_paged_attention(q, kp, vp, table, pos),
+                             ref_ops.ref_paged_attention(q, kp, vp, table, pos, dtype=F32).astype(F16), ("attention", "float16"), i))
         elif op in ("o_proj_residual", "down_residual"):
             x, resid = before[0], before[2]
             wt = W["self_attn.o_proj.weight"] if op == "o_proj_residual" else W["mlp.down_proj.weight"]
-            out.append(check(label, after[2], resid + R.ref_linear(x, wt), resid + R.ref_linear(x, wt, dtype=F32),
+            out.append(check(label, after[2], resid + ref_ops.ref_linear(x, wt), resid + ref_ops.ref_linear(x, wt, dtype=F32),
                              (op, "float32"), i))
         elif op == "gate_up_silu":
             x = before[0]
-            out.append(check(label, after[2], R.ref_gate_up_silu(x, gate, up),
-                             R.ref_gate_up_silu(x, gate, up, dtype=F32).astype(F16), ("gate_up_silu", "float16"), i))
+            out.append(check(label, after[2], ref_ops.ref_gate_up_silu(x, gate, up),
+                             ref_ops.ref_gate_up_silu(x, gate, up, dtype=F32).astype(F16), ("gate_up_silu", "float16"), i))
     return out
 
 
@@ -179,7 +179,7 @@ def descend(model_path, ids, backend_name: str = "numpy", decode_steps: int | No
     progress(f"descend: {len(states)} layers, each on the simulation's input to it")
     layers, ops_by_layer, first = [], [], None
     for layer, (x_in, ref_out) in enumerate(states):
-        case = LayerCase(layer, T - steps, steps, seed=0)
+        case = LayerCase(layer=layer, L=T - steps, steps=steps, seed=0)
         recorder.calls, recorder.on = [], True
         try:
             out, _, _ = run_engine_block(backend, config, mf.quant, mf.expect, case, shuffle_seed=layer, x=x_in)

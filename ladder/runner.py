@@ -74,7 +74,7 @@ def _absolute(value: str | None) -> str | None:
 
 def cmd_ladder(args) -> int:
     """Run the rungs in order; stop at the first red one unless --keep-going."""
-    from ladder import report as R
+    from ladder import report as ladder_report
     from engine.resolve import resolve_model
 
     rungs = [r.strip() for r in args.rungs.split(",") if r.strip()]
@@ -90,7 +90,7 @@ def cmd_ladder(args) -> int:
             raise LadderArgumentError(f"--{opt} {path}: no such file or folder")
         setattr(args, opt, _absolute(path))
     try:  # a bad baseline fails before the rungs, not after them
-        baseline = R.load(Path(args.baseline)) if args.baseline else None
+        baseline = ladder_report.load(Path(args.baseline)) if args.baseline else None
     except (OSError, ValueError) as e:
         raise LadderArgumentError(f"--baseline {args.baseline}: {e}") from None
     if args.model:  # resolve once: an HF folder is converted here, not by each worker
@@ -143,15 +143,15 @@ def cmd_ladder(args) -> int:
                 break
     meta = {"model": args.model or "default", "backends": [args.backend or "auto"], "started": started,
             "plant_fault": args.plant_fault, "argv": sys.argv[1:]}
-    rep = R.merge(results, meta)
+    rep = ladder_report.merge(results, meta)
     if baseline is not None:
-        rep["regressions"] = R.compare_baseline(rep, baseline)
+        rep["regressions"] = ladder_report.compare_baseline(rep, baseline)
         failed = failed or bool(rep["regressions"])
     uncovered = [f"{b}/{op}" for b, ops in rep["coverage"].items() for op, r in ops.items() if not r]
     if args.coverage and uncovered and len(rungs) == len(RUNGS):
         failed = True
     rep["meta"]["result"] = "FAILED" if failed else "passed"
-    R.write(out, rep)
+    ladder_report.write(out, rep)
     print_table(rep, args.coverage)
     print(f"report: {out}/report.md, report.json, junit-*.xml")
     return 1 if failed else 0

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from engine.config import SHAPES, Qwen2Config
-from engine.formats import get_format
+from engine.formats import DEFAULT_FORMAT, get_format
 from engine.modelfile import ModelFile
 from fixtures.dequantized import dequantized_weights
 from fixtures.golden import GoldenError, load_golden
@@ -41,7 +41,7 @@ class BlockUnderTest:
         return cls(Qwen2Config.from_hf_dict(config_dict), mf.quant, mf.expect, weights, path.name)
 
     @classmethod
-    def synthetic(cls, config: Qwen2Config, seed: int, quant: str = "int4_sym_g128") -> "BlockUnderTest":
+    def synthetic(cls, config: Qwen2Config, seed: int, quant: str = DEFAULT_FORMAT) -> "BlockUnderTest":
         """Seeded random weights of any shape, quantized with `quant` (one layer)."""
         fmt = get_format(quant)
         config = config.replace(num_hidden_layers=1)
@@ -123,7 +123,7 @@ SYNTHETIC = {
 @pytest.mark.parametrize("shape", sorted(SYNTHETIC))
 def test_block_at_other_head_layouts(backend, hf_block, shape):
     block = BlockUnderTest.synthetic(SYNTHETIC[shape], seed=11)
-    case = LayerCase(0, 15, 20, 5)  # decode crosses 16 and 32
+    case = LayerCase(layer=0, L=15, steps=20, seed=5)  # decode crosses 16 and 32
     ref = hf_block(block.hf_config, block.weights, 0, case.inputs(block.config.hidden_size))
     check_block(backend, block, case, *ref, against="HF Qwen2DecoderLayer")
 
