@@ -147,7 +147,7 @@ def pytest_sessionstart(session):
     config = session.config
     if config.getoption("--update-golden") and not _is_worker(config):
         from fixtures.golden import write_golden
-        from ladder.models import resolve_model
+        from engine.resolve import resolve_model
 
         path = resolve_model(config.getoption("--model"))
         folder = write_golden(path)
@@ -240,7 +240,7 @@ def quant_format(quant_name):
 @pytest.fixture(scope="session")
 def model_path(request) -> Path:
     """The .nanoqwen file under test (--model, else the embedded default model)."""
-    from ladder.models import resolve_model
+    from engine.resolve import resolve_model
 
     return resolve_model(request.config.getoption("--model"))
 

@@ -87,7 +87,7 @@ def test_a_killed_conversions_temporary_file_is_removed_by_the_next_conversion(s
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_a_generate_stopped_while_converting_leaves_nothing_in_the_cache(small_dir, tmp_path, monkeypatch, sig):
-    from ladder.models import resolve_model
+    from engine.resolve import resolve_model
 
     cache = tmp_path / "cache"
     proc = start_slow(["generate", "--model", str(small_dir), "--prompt-ids", "1,2"], {"NANOQWEN_CACHE": str(cache)})
