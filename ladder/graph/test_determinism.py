@@ -19,7 +19,7 @@ def test_three_runs_generate_identical_tokens(backend, model_path, request):
     if request.config.getoption("--skip-determinism"):
         pytest.skip("skipped by --skip-determinism")
     n_new = request.config.getoption("--new-tokens")
-    prompts = sorted(prompts_for_model(model_path, request.config.getoption("--prompts")).prompts,
+    prompts = sorted(prompts_for_model(model_path, request.config.getoption("--prompts")),
                      key=lambda p: len(p.ids))
     chosen = [prompts[i * (len(prompts) - 1) // (PROMPTS - 1)] for i in range(PROMPTS)]
     runs = []

@@ -57,7 +57,7 @@ def pytest_generate_tests(metafunc):
 @pytest.fixture(scope="session")
 def prompts(request, model_path):
     """Prompt id -> Prompt, every id inside the model's vocab (fixtures/prompts.py `prompts_for_model`)."""
-    return {p.id: p for p in prompts_for_model(model_path, request.config.getoption("--prompts")).prompts}
+    return {p.id: p for p in prompts_for_model(model_path, request.config.getoption("--prompts"))}
 
 
 class ReferenceRuns:
