@@ -12,7 +12,7 @@ them, under bounds derived from the model's own noise floor.
 The bounds: the floor is the max abs difference between the logits of the plain implementation of the
 whole model (reference.model.ref_forward in fp32 with fp16 storage, one causal pass over the prompt
 and the reference's tokens) and the HF simulation's, over the new positions of a spread of the prompts
-(`floor_prompts`: the same ones in every xdist worker, so every worker derives the same bounds). The
+(`spread_by_length`: the same ones in every xdist worker, so every worker derives the same bounds). The
 engine may differ from the simulation by `allowed` = TOL[("graph_logits", "float32")] of that floor;
 the near-tie epsilon is NEAR_TIE_EPS_PER_LOGIT_DIFF x allowed (ladder/tolerances.py says why).
 
@@ -115,7 +115,7 @@ def engine_logits(model, prompt_ids, tokens) -> np.ndarray:
 # --- the bounds, from the model's floor ------------------------------------------------------------
 
 
-def floor_prompts(prompts, k: int = FLOOR_PROMPTS) -> list:
+def spread_by_length(prompts, k: int = FLOOR_PROMPTS) -> list:
     """Up to `k` prompts spread over the lengths (shortest, longest and between), in length order.
 
     Deterministic in the prompt set alone (ties broken by id), so every xdist worker picks the same ones.

@@ -9,7 +9,7 @@ import pytest
 
 import engine
 from fixtures.prompts import prompts_for_model
-from ladder.tokens import tokens_to_generate
+from ladder.tokens import spread_by_length, tokens_to_generate
 
 RUNS = 3
 PROMPTS = 6  # spread over the prompt lengths: short, on a page edge, long
@@ -19,9 +19,7 @@ def test_three_runs_generate_identical_tokens(backend, model_path, request):
     if request.config.getoption("--skip-determinism"):
         pytest.skip("skipped by --skip-determinism")
     n_new = request.config.getoption("--new-tokens")
-    prompts = sorted(prompts_for_model(model_path, request.config.getoption("--prompts")),
-                     key=lambda p: len(p.ids))
-    chosen = [prompts[i * (len(prompts) - 1) // (PROMPTS - 1)] for i in range(PROMPTS)]
+    chosen = spread_by_length(prompts_for_model(model_path, request.config.getoption("--prompts")), PROMPTS)
     runs = []
     for _ in range(RUNS):
         model = engine.load(model_path, backend=backend)

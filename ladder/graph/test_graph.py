@@ -35,7 +35,7 @@ pytest.importorskip("transformers", reason="the graph rung's reference (the HF s
 import engine
 from fixtures.prompts import default_prompts_path, prompts_for_model, read_prompt_ids
 from ladder.compare import rerun_command
-from ladder.tokens import (compare_greedy, derive_bounds, engine_logits, flatness, floor_prompts,
+from ladder.tokens import (compare_greedy, derive_bounds, engine_logits, flatness, spread_by_length,
                            reference_greedy, tokens_to_generate)
 from fixtures.dequantized import dequantized_weights
 from reference.hf import hf_model
@@ -112,7 +112,7 @@ def references(request, model_path):
 @pytest.fixture(scope="session")
 def bounds(prompts, references):
     """The model's near-tie epsilon and allowed logit difference, from its floor on the floor prompts."""
-    chosen = floor_prompts(prompts.values())
+    chosen = spread_by_length(prompts.values())
     runs = [(p.id, p.ids, references.get(p)) for p in chosen]  # builds the HF simulation first
     return derive_bounds(references.config, references.weights, runs)
 

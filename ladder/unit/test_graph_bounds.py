@@ -29,7 +29,7 @@ from kernels import get_backend
 from ladder import report as ladder_report
 from ladder.faults import plant
 from ladder.nested import run_pytest, skip_inside_nested_run
-from ladder.tokens import (GraphBounds, compare_greedy, derive_bounds, engine_logits, floor_prompts,
+from ladder.tokens import (GraphBounds, compare_greedy, derive_bounds, engine_logits, spread_by_length,
                            reference_greedy, summarize)
 from ladder.tolerances import FLOOR_PROMPTS, NEAR_TIE_EPS_PER_LOGIT_DIFF, TOL
 from reference.hf import hf_model
@@ -71,7 +71,7 @@ class Case:
         finally:
             torch.set_num_threads(before)
         self.bounds = derive_bounds(self.config, self.weights,
-                                    [(p.id, p.ids, self.refs[p.id]) for p in floor_prompts(self.prompts)])
+                                    [(p.id, p.ids, self.refs[p.id]) for p in spread_by_length(self.prompts)])
         self.logits = self.engine_logits(get_backend("numpy"))
 
     def engine_logits(self, backend) -> dict[str, np.ndarray]:
@@ -147,15 +147,15 @@ def test_a_planted_fault_fails_on_every_model(m):
 
 def test_every_worker_picks_the_same_floor_prompts():
     prompts = [Prompt(f"q{i:02d}", tuple(range(1 + (i * 37) % 50))) for i in range(40)]
-    chosen = floor_prompts(prompts)
+    chosen = spread_by_length(prompts)
     rng = np.random.default_rng(0)
     for _ in range(3):
         shuffled = [prompts[i] for i in rng.permutation(len(prompts))]
-        assert floor_prompts(shuffled) == chosen
+        assert spread_by_length(shuffled) == chosen
     lengths = [len(p.ids) for p in chosen]
     assert len(chosen) == FLOOR_PROMPTS and lengths == sorted(lengths)
     assert lengths[0] == min(len(p.ids) for p in prompts) and lengths[-1] == max(len(p.ids) for p in prompts)
-    assert floor_prompts(prompts[:5]) == sorted(prompts[:5], key=lambda p: (len(p.ids), p.id))
+    assert spread_by_length(prompts[:5]) == sorted(prompts[:5], key=lambda p: (len(p.ids), p.id))
 
 
 def test_the_report_carries_the_graph_summary_and_its_bounds(tmp_path):
