@@ -10,10 +10,8 @@ temporary folder, as a user does (skipped, with the reason, where it is not inst
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
-
 import sys
 
 import pytest
@@ -21,8 +19,9 @@ import pytest
 from engine.config import SHAPES
 from engine.convert import CheckpointError, SafetensorsFolder, convert
 from fixtures.tiny_model import build_random_model, random_model_dir, random_model_file
-from kernels import cuda_available
 from engine.cli import main as cli_main
+from kernels import cuda_available
+from ladder.nested import child_env
 
 SMALL = SHAPES["tiny"].replace(num_hidden_layers=2)
 HAS_CUDA = cuda_available()[0]
@@ -173,8 +172,9 @@ needs_installed = pytest.mark.skipif(EXE is None, reason="nanoqwen is not instal
 
 
 def installed(*args, cwd):
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTEST_ADDOPTS")}
-    return subprocess.Popen([EXE, *args], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    """The installed command from `cwd`, nothing of the checkout on its path (ladder/nested.py)."""
+    return subprocess.Popen([EXE, *args], cwd=cwd, env=child_env(backend=None, pythonpath=None),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 @needs_installed
