@@ -64,14 +64,12 @@ def resolve_model(spec: str | None, quant: str = DEFAULT_FORMAT, progress=True) 
 
 
 def prompt_ids(path, text: str | None, ids_csv: str | None):
-    """(token ids, the model's tokenizer or None) for `--prompt TEXT` or `--prompt-ids 1,2,3`."""
+    """(token ids, the model's tokenizer or None) for `--prompt TEXT` or `--prompt-ids 1,2,3` (the
+    latter already checked by the argument's type, engine.cli.token_ids_arg)."""
     tok = model_tokenizer(path, required=text is not None)
     if text is not None:
         return tok.encode(text).ids, tok
-    try:
-        return [int(s) for s in ids_csv.split(",") if s.strip()], tok
-    except ValueError:
-        raise SystemExit(f"nanoqwen: error: --prompt-ids must be comma-separated integers, got {ids_csv!r}") from None
+    return [int(s) for s in ids_csv.split(",")], tok  # checked and normalized by engine.cli.token_ids_arg
 
 
 def model_tokenizer(path, required: bool = True):
