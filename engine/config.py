@@ -1,8 +1,9 @@
 """Model config: a frozen dataclass that mirrors the keys of a Hugging Face Qwen2 `config.json`.
 
 `Qwen2Config.from_hf_dict` accepts exactly what the engine implements and refuses the rest by name
-(another architecture, `rope_scaling`, sliding windows, an activation other than SiLU, dimensions
-that are not multiples of the quantization group). `SHAPES` holds the named shapes that tests,
+(another architecture, `rope_scaling`, sliding windows, an activation other than SiLU). The shape
+rules of a quantization format (inputs a multiple of its group) are the format's, checked with the
+model's format by `engine.weights.check_linears`. `SHAPES` holds the named shapes that tests,
 benchmarks and fixtures build from.
 """
 
@@ -15,7 +16,6 @@ from pathlib import Path
 
 from engine.errors import ConfigError, brief
 
-GROUP_SIZE = 128  # quantization group along the input dimension; every quantized dim is a multiple
 MAX_INT = 2**31 - 1  # every dimension and token id fits an int32 (the kernels index with int32)
 PAGE_SIZE = 16  # tokens per KV page (docs/ARCHITECTURE.md, The KV cache)
 
@@ -75,13 +75,6 @@ class Qwen2Config:
             raise ConfigError("config key 'num_attention_heads' is not a multiple of 'num_key_value_heads'")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim {self.head_dim} is odd; rotary embeddings need an even head_dim")
-        for key in ("hidden_size", "intermediate_size"):
-            if getattr(self, key) % GROUP_SIZE:
-                raise ConfigError(f"config key {key!r} = {getattr(self, key)} is not a multiple of the "
-                                  f"quantization group size {GROUP_SIZE}")
-        if self.q_size % GROUP_SIZE:
-            raise ConfigError(f"num_attention_heads * head_dim = {self.q_size} is not a multiple of the "
-                              f"quantization group size {GROUP_SIZE} (o_proj input)")
 
     # --- Hugging Face config.json --------------------------------------------------------------
 

@@ -28,7 +28,7 @@ from engine.errors import ConfigError, NanoqwenError, OutputPathError
 from engine.formats import DEFAULT_FORMAT, get_format
 from engine.modelfile import PendingTensor, write_model
 from engine.outpath import check_output_path
-from engine.weights import linear_names, plain_tensor_specs
+from engine.weights import check_linears, linear_names, plain_tensor_specs
 
 
 class CheckpointError(NanoqwenError):
@@ -278,6 +278,10 @@ def convert(hf_dir, out_path, quant: str = DEFAULT_FORMAT, progress=None) -> Qwe
     out_path = check_output_path(out_path)
     fmt = get_format(quant)
     config = read_config(hf_dir)
+    try:
+        check_linears(config, quant)
+    except ConfigError as e:
+        raise ConfigError(f"{hf_dir / 'config.json'}: {e}") from None
     st = SafetensorsFolder(hf_dir)
 
     def source(name: str, shape: tuple[int, ...]) -> None:

@@ -32,9 +32,8 @@ from engine.block import Workspace, decoder_block
 from engine.config import PAGE_SIZE, Qwen2Config
 from engine.errors import (AllocationTooLargeError, ConfigError, HeaderError, MissingTensorError, PromptTooLongError,
                            TokenIdError, UnexpectedTensorError, UnknownFormatError)
-from engine.formats import get_format
 from engine.kv_cache import PagedKVCache, Sequence
-from engine.weights import LayerWeights, iter_tensor_specs, load_layer_weights, plain_tensor_specs
+from engine.weights import LayerWeights, check_linears, iter_tensor_specs, load_layer_weights, plain_tensor_specs
 
 DEFAULT_CACHE_TOKENS = 4096
 
@@ -217,7 +216,7 @@ def checked_config(mf) -> Qwen2Config:
     a table holding a tensor the config does not use is refused too (config and table disagree)."""
     try:
         config = Qwen2Config.from_hf_dict(mf.config_dict)
-        get_format(mf.quant)
+        check_linears(config, mf.quant)
     except (ConfigError, UnknownFormatError) as e:
         raise HeaderError(mf.path, str(e)) from None
     used = set()

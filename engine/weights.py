@@ -1,8 +1,8 @@
 """Which tensors a Qwen2 model holds, and how one layer's weights are put on a backend.
 
 Names are Hugging Face's. The seven linears of a layer are quantized (their tensors are the format's,
-e.g. `.qweight` and `.scales`); everything else is fp16. At load, q/k/v and gate/up are fused by
-stacking rows ([q; k; v], [gate; up]): row-major storage makes that a concatenation.
+e.g. `.qweight` and `.scales`); everything else is fp16. At load, q/k/v and gate/up are fused into one
+weight each, rows [q; k; v] and [gate; up], by the format's `fuse` (a concatenation for row-major formats).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any, Callable
 import numpy as np
 
 from engine.config import Qwen2Config
+from engine.errors import ConfigError
 from engine.formats import get_format
 
 
@@ -28,6 +29,22 @@ def linear_names(config: Qwen2Config, layer: int) -> dict[str, tuple[int, int]]:
         p + "mlp.up_proj": (c.intermediate_size, c.hidden_size),
         p + "mlp.down_proj": (c.hidden_size, c.intermediate_size),
     }
+
+
+# config keys that set each linear's input width, for the messages of check_linears
+_IN_KEYS = {"q_proj": "hidden_size", "k_proj": "hidden_size", "v_proj": "hidden_size", "gate_proj": "hidden_size",
+            "up_proj": "hidden_size", "o_proj": "num_attention_heads * head_dim", "down_proj": "intermediate_size"}
+
+
+def check_linears(config: Qwen2Config, quant: str) -> None:
+    """ConfigError, naming the config key, when a linear's shape breaks the format's rule (e.g. inputs
+    that are not a multiple of its group). Every layer has the same shapes: layer 0 speaks for all."""
+    fmt = get_format(quant)
+    for name, (out_f, in_f) in linear_names(config, 0).items():
+        why = fmt.check_linear(out_f, in_f)
+        if why:
+            key = _IN_KEYS[name.rsplit(".", 1)[1]]
+            raise ConfigError(f"config key {key!r} = {in_f} does not fit {quant}: {why}")
 
 
 def plain_tensor_specs(config: Qwen2Config) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -100,11 +117,9 @@ def load_layer_weights(backend, config: Qwen2Config, quant: str, get: Callable[[
     specs = plain_tensor_specs(c)
 
     def linear(bases: list[str], in_f: int):
-        parts: dict[str, list] = {}
-        for base in bases:
-            for suffix, (dtype, shape) in fmt.tensor_specs(names[base][0], in_f).items():
-                parts.setdefault(suffix.lstrip("."), []).append(get(base + suffix, dtype, shape))
-        tensors = {k: np.concatenate(v, axis=0) for k, v in parts.items()}
+        parts = [{suffix.lstrip("."): get(base + suffix, dtype, shape)
+                  for suffix, (dtype, shape) in fmt.tensor_specs(names[base][0], in_f).items()} for base in bases]
+        tensors = fmt.fuse(parts) if len(parts) > 1 else parts[0]
         return be.prepare_linear(quant, tensors, sum(names[b][0] for b in bases), in_f)
 
     def plain(name):

@@ -4,8 +4,8 @@ Each takes `dtype=` (float64 by default): the same function in float32, on input
 their storage dtype, is the "plain implementation" whose error sets an op's noise floor.
 
 Naive on purpose: loops over tokens and pages, no online softmax, no fused anything. Independent of
-engine/ and kernels/ (a test enforces it): quantized weights arrive here as plain float matrices, and
-the INT4 word layout is read here a third time, from docs/FORMAT.md, by `ref_unpack_int4`.
+engine/ and kernels/ (a test enforces it): quantized weights arrive here as plain float matrices (each
+format's stored tensors are read, a third time, from docs/FORMAT.md, by reference/formats.py).
 """
 
 from __future__ import annotations
@@ -13,28 +13,6 @@ from __future__ import annotations
 import numpy as np
 
 PAGE = 16
-
-
-def ref_unpack_int4(qweight: np.ndarray) -> np.ndarray:
-    """uint32 `[out, in/8]` -> int64 nibbles `[out, in]`. Nibble k of word j is element 8j + (0,2,4,6,1,3,5,7)[k]."""
-    qweight = np.asarray(qweight, dtype=np.uint64)
-    out_f, n_words = qweight.shape
-    res = np.zeros((out_f, n_words * 8), dtype=np.int64)
-    for j in range(n_words):
-        for k, e in enumerate((0, 2, 4, 6, 1, 3, 5, 7)):
-            res[:, 8 * j + e] = (qweight[:, j] >> np.uint64(4 * k)) & np.uint64(0xF)
-    return res
-
-
-def ref_dequant_int4_sym_g128(qweight, scales, dtype=np.float64) -> np.ndarray:
-    """`[out, in]` = (nibble - 8) * scale of the row's group of 128."""
-    nib = ref_unpack_int4(qweight)
-    s = np.repeat(np.asarray(scales, dtype=dtype), 128, axis=1)
-    return (nib - 8).astype(dtype) * s
-
-
-# format name -> its reference reading: (stored tensors) -> float64 [out, in]
-REF_DEQUANT = {"int4_sym_g128": lambda t, dtype=np.float64: ref_dequant_int4_sym_g128(t["qweight"], t["scales"], dtype)}
 
 
 def ref_embed(ids, table, dtype=np.float64) -> np.ndarray:

@@ -1,15 +1,24 @@
 """Quantization formats, one module each, registered by name.
 
-A format owns the definition of its numbers: `quantize(W)` turns a float32 weight `[out, in]` into the
-tensors stored in the file, `dequantize(tensors)` turns them back into float32 (NumPy, the definition
-the reference and the ladder rely on), and `tensor_specs(out, in)` says which tensors, dtypes and
-shapes the file must hold for one linear layer. Its kernels live in `kernels/<backend>/`, registered
-under the same name. Adding a format is one module here plus its kernels, and `docs/FORMAT.md`.
+A format owns the definition of its numbers (docs/FORMAT.md has one section per format):
+
+- `quantize(W)` turns a float32 weight `[out, in]` into the tensors stored in the file;
+- `dequantize(tensors)` turns them back into float32 (NumPy: the definition the reference and the
+  ladder rely on);
+- `tensor_specs(out, in)` says which tensors, dtypes and shapes the file holds for one linear, and
+  `check_linear(out, in)` the shape rule it needs (e.g. inputs a multiple of its group);
+- `fuse(parts)` joins the linears that share an input (q/k/v, gate/up) into one weight;
+- `swap_pair` and `shift_scale` edit stored tensors the way two classic kernel bugs misread them
+  (the ladder's planted faults, ladder/faults.py, go through these and nothing else).
+
+Its kernels live in `kernels/<backend>/<name>.py` (and `kernels/cuda/<name>.cu`), found by name: a
+backend without the module reports the format as unsupported (`FormatNotSupportedError`). Its
+independent reading lives in `reference/formats.py`. Adding a format: docs/ADDING_A_FORMAT.md.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+import importlib
 
 import numpy as np
 
@@ -17,15 +26,60 @@ from engine.errors import UnknownFormatError
 
 # The format a model is converted to when no `--quant` / `quant=` is given.
 DEFAULT_FORMAT = "int4_sym_g128"
+# Every format, by module name under engine/formats/ (each registers itself on import).
+FORMAT_MODULES = ("int4_sym_g128", "int8_sym_channel", "int4_asym_g128", "fp8_e4m3_channel")
 
 
-class Format(Protocol):
-    name: str
-    suffixes: tuple[str, ...]  # tensor-name suffixes that replace `.weight` in the file, e.g. (".qweight", ".scales")
+class Format:
+    """The base of every format: the contract above, with the defaults that row-major formats share."""
 
-    def quantize(self, w: np.ndarray) -> dict[str, np.ndarray]: ...
-    def dequantize(self, tensors: dict[str, np.ndarray]) -> np.ndarray: ...
-    def tensor_specs(self, out_features: int, in_features: int) -> dict[str, tuple[str, tuple[int, ...]]]: ...
+    name: str = ""
+    suffixes: tuple[str, ...] = ()  # tensor-name suffixes that replace `.weight` in the file, e.g. (".qweight", ".scales")
+    in_multiple: int = 1  # in_features must be a multiple of this (a group, or a kernel's load width)
+    describes: str = ""  # one line for listings and the quant report
+
+    def tensor_specs(self, out_features: int, in_features: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+        raise NotImplementedError
+
+    def quantize(self, w: np.ndarray) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+    def dequantize(self, tensors: dict[str, np.ndarray]) -> np.ndarray:
+        raise NotImplementedError
+
+    def swap_pair(self, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The tensors as a kernel that swaps elements 0 and 1 of every row would read them."""
+        raise NotImplementedError
+
+    def shift_scale(self, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The tensors as a kernel that takes the last scale of every row from its neighbour would read them."""
+        raise NotImplementedError
+
+    def check_linear(self, out_features: int, in_features: int) -> str | None:
+        """None when a `[out, in]` weight fits the format, else what is wrong, in words."""
+        if in_features % self.in_multiple:
+            return f"{in_features} inputs are not a multiple of {self.in_multiple}, which {self.name} needs"
+        return None
+
+    def fuse(self, parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        """One weight whose rows are the parts' rows in order. Every shipped format keeps its data and its
+        scales row by row, so that is a concatenation of each tensor along its first axis."""
+        return {k: np.concatenate([p[k] for p in parts], axis=0) for k in parts[0]}
+
+    def bytes_per_weight(self, out_features: int, in_features: int) -> float:
+        """Stored bytes per weight element, scales and zero points included."""
+        n = sum(int(np.prod(shape)) * np.dtype(dtype).itemsize
+                for dtype, shape in self.tensor_specs(out_features, in_features).values())
+        return n / (out_features * in_features)
+
+    def _check_finite(self, w: np.ndarray) -> None:
+        if not np.isfinite(w).all():
+            raise ValueError(f"weight holds NaN or inf; {self.name} cannot quantize it")
+
+    def _check_shape(self, w: np.ndarray) -> None:
+        why = self.check_linear(*w.shape)
+        if why:
+            raise ValueError(why)
 
 
 FORMATS: dict[str, Format] = {}
@@ -42,7 +96,8 @@ def get_format(name: str) -> Format:
     try:
         return FORMATS[name]
     except KeyError:
-        raise UnknownFormatError(f"unknown quantization format {name!r}; known: {sorted(FORMATS)}") from None
+        raise UnknownFormatError(f"unknown quantization format {name!r}; known: {', '.join(sorted(FORMATS))}") from None
 
 
-from engine.formats import int4_sym_g128  # noqa: E402,F401  (registers itself)
+for _module in FORMAT_MODULES:
+    importlib.import_module(f"engine.formats.{_module}")

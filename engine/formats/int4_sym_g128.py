@@ -27,17 +27,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.formats import register
+from engine.formats import Format, register
 
 GROUP = 128
 # NIBBLE_ELEMENT[k] = which of a word's 8 elements sits in nibble k (bits 4k .. 4k+3)
 NIBBLE_ELEMENT = np.array([0, 2, 4, 6, 1, 3, 5, 7])
 
 
-class Int4SymG128:
+class Int4SymG128(Format):
     name = "int4_sym_g128"
     suffixes = (".qweight", ".scales")
+    in_multiple = GROUP
     group_size = GROUP
+    describes = "INT4 symmetric, an fp16 scale per 128 inputs, ValueShuffle nibbles (W4A16)"
 
     def tensor_specs(self, out_features: int, in_features: int):
         return {
@@ -48,11 +50,9 @@ class Int4SymG128:
     def quantize(self, w: np.ndarray) -> dict[str, np.ndarray]:
         w = np.asarray(w, dtype=np.float32)
         out_f, in_f = w.shape
-        if in_f % GROUP:
-            raise ValueError(f"in_features {in_f} is not a multiple of the group size {GROUP}")
+        self._check_shape(w)
         g = w.reshape(out_f, in_f // GROUP, GROUP)  # [out, groups, 128]
-        if not np.isfinite(w).all():
-            raise ValueError("weight holds NaN or inf; it cannot be quantized")
+        self._check_finite(w)
         with np.errstate(over="ignore"):
             scales = (np.abs(g).max(axis=2) / np.float32(7.0)).astype(np.float16)  # [out, groups]
         if not np.isfinite(scales).all():
@@ -69,6 +69,21 @@ class Int4SymG128:
         out_f, in_f = nib.shape
         w = (nib - 8.0).reshape(out_f, in_f // GROUP, GROUP) * scales[:, :, None]
         return w.reshape(out_f, in_f)
+
+    def swap_pair(self, tensors):
+        """Elements 0 and 1 of every row trade places: the low and high halves of word 0's pair 0."""
+        t = {k: np.array(v, copy=True) for k, v in tensors.items()}
+        w = t["qweight"][:, 0]
+        lo, hi = w & np.uint32(0xF), (w >> np.uint32(16)) & np.uint32(0xF)
+        t["qweight"][:, 0] = (w & ~np.uint32(0x000F000F)) | hi | (lo << np.uint32(16))
+        return t
+
+    def shift_scale(self, tensors):
+        """The last group of every row takes the scale of the group before it (one group: no change)."""
+        t = {k: np.array(v, copy=True) for k, v in tensors.items()}
+        if t["scales"].shape[1] > 1:
+            t["scales"][:, -1] = t["scales"][:, -2]
+        return t
 
 
 def pack(nibbles: np.ndarray) -> np.ndarray:

@@ -11,9 +11,11 @@ call, within a size budget per backend object (`repack_bytes`; default DEFAULT_R
 environment's NANOQWEN_NUMPY_REPACK_MB), and from running BLAS on no more threads than this process's
 share of the cores (`threads`; kernels/numpy/blas.py):
 
-- `prepare_linear` unpacks a quantized weight once into its dequantized fp32 copy while the budget
-  lasts, and into int8 values dequantized per call, a block of rows at a time, past it
-  (kernels/numpy/int4.py). The stored tensors stay in the QuantizedWeight as they came.
+- `prepare_linear` dequantizes a quantized weight once into its fp32 copy while the budget lasts, and
+  past it keeps what its format's module repacks (int4_sym_g128: int8 values) and dequantizes per call,
+  a block of rows at a time (kernels/numpy/linear.py). The stored tensors stay in the QuantizedWeight
+  as they came. A format's kernels are the module `kernels/numpy/<format>.py`, found by name (its
+  `FORMAT`); a format without one raises FormatNotSupportedError.
 - `lm_head` widens an fp16 table `[V, H]` to its fp32 transpose `[H, V]` (`x @ t` ran 2x faster than
   `x @ w.T` at the 0.5 B vocab) once per table object, when the table is read-only down to its memory
   (a model file's mapped tensor is): such a table cannot change under the cached copy. The cache holds
@@ -26,7 +28,9 @@ Repacked bytes are returned to the budget when their weight or table is freed.
 
 from __future__ import annotations
 
+import importlib
 import os
+import pkgutil
 import weakref
 
 import numpy as np
@@ -34,8 +38,7 @@ import numpy as np
 from kernels.base import Backend, FormatNotSupportedError, QuantizedWeight
 from kernels.numpy.attention import paged_attention
 from kernels.numpy.blas import blas_threads, default_threads
-from kernels.numpy import int4
-from kernels.numpy.int4 import LINEAR_KERNELS, REPACKERS
+from kernels.numpy import linear
 
 # fp32 repack budget per backend object: a 0.5 B model needs 1.4 GB (linears) + 0.5 GB (its lm_head table)
 DEFAULT_REPACK_MB = 4096
@@ -55,9 +58,19 @@ def _read_only(a) -> bool:
     return True
 
 
+def _format_modules() -> dict:
+    """format name -> its kernel module: every module of this package that names a FORMAT."""
+    found = {}
+    for info in pkgutil.iter_modules(__path__):
+        mod = importlib.import_module(f"{__name__}.{info.name}")
+        if getattr(mod, "FORMAT", None) == info.name:
+            found[info.name] = mod
+    return found
+
+
 class NumpyBackend(Backend):
     name = "numpy"
-    formats = tuple(LINEAR_KERNELS)
+    formats = ()  # set below, once the package's modules can be imported
     supports_graphs = False  # nothing to capture: the decode step runs eagerly
 
     def __init__(self, repack_bytes: int | None = None, threads: int | None = None):
@@ -98,25 +111,27 @@ class NumpyBackend(Backend):
     def synchronize(self) -> None:
         pass
 
+    @staticmethod
+    def _kernels(fmt: str):
+        try:
+            return _FORMAT_MODULES[fmt]
+        except KeyError:
+            raise FormatNotSupportedError(f"backend 'numpy' has no kernel for format {fmt!r}") from None
+
     def prepare_linear(self, fmt: str, tensors: dict, out_features: int, in_features: int) -> QuantizedWeight:
-        if fmt not in LINEAR_KERNELS:
-            raise FormatNotSupportedError(f"backend 'numpy' has no kernel for format {fmt!r}")
-        stored = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
-        repack, nbytes = REPACKERS[fmt]
-        fp32_bytes = nbytes(out_features, in_features, True)
+        k = self._kernels(fmt)
+        stored = {name: np.ascontiguousarray(v) for name, v in tensors.items()}
+        fp32_bytes = k.repacked_nbytes(out_features, in_features, True)
         fp32 = self._take(fp32_bytes)
-        w = QuantizedWeight(fmt, out_features, in_features, {**stored, **repack(stored, fp32)})
+        w = QuantizedWeight(fmt, out_features, in_features, {**stored, **k.repack(stored, fp32)})
         if fp32:
             weakref.finalize(w, self._give_back, fp32_bytes).atexit = False
         return w
 
     def _linear(self, x, w: QuantizedWeight) -> np.ndarray:
-        try:
-            kernel = LINEAR_KERNELS[w.format]
-        except KeyError:
-            raise FormatNotSupportedError(f"backend 'numpy' has no kernel for format {w.format!r}") from None
+        k = self._kernels(w.format)
         with blas_threads(self.threads):
-            return kernel(x, w)
+            return k.matmul(x, w)
 
     # --- ops (docs/BACKEND.md's table) --------------------------------------------------------
 
@@ -206,7 +221,7 @@ class NumpyBackend(Backend):
             if wide_t is not None:
                 logits[...] = xf @ wide_t
                 return
-            step = max(1, int4.BLOCK_FLOATS // weight.shape[1])
+            step = max(1, linear.BLOCK_FLOATS // weight.shape[1])
             for r0 in range(0, weight.shape[0], step):
                 logits[:, r0:r0 + step] = xf @ weight[r0:r0 + step].astype(np.float32).T
 
@@ -216,3 +231,7 @@ class NumpyBackend(Backend):
     def decode_advance(self, next_id, ids, positions):
         ids[0] = next_id[0]
         positions[0] += 1
+
+
+_FORMAT_MODULES = _format_modules()
+NumpyBackend.formats = tuple(sorted(_FORMAT_MODULES))

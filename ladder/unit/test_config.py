@@ -8,6 +8,8 @@ import pytest
 
 from engine.config import SHAPES, Qwen2Config
 from engine.errors import ConfigError
+from engine.formats import FORMATS
+from engine.weights import check_linears
 
 BASE = SHAPES["tiny"].to_hf_dict()
 
@@ -49,8 +51,6 @@ def test_tied_embeddings_are_supported():
     ("rope_scaling", {"type": "yarn", "factor": 4.0}),
     ("use_sliding_window", True),
     ("hidden_act", "gelu"),
-    ("hidden_size", 200),
-    ("intermediate_size", 1000),
     ("layer_types", ["sliding_attention"] * 4),
     ("attention_bias", False),
     ("num_key_value_heads", 3),
@@ -58,6 +58,22 @@ def test_tied_embeddings_are_supported():
 def test_unimplemented_features_are_refused_by_key(key, value):
     with pytest.raises(ConfigError, match=key.split("_")[0]):
         Qwen2Config.from_hf_dict({**BASE, key: value})
+
+
+@pytest.mark.parametrize("key,value,fits", [
+    ("hidden_size", 200, ()),  # 200 = 4 heads of 50: not a multiple of 16
+    ("intermediate_size", 1000, ()),
+    ("intermediate_size", 1040, ("int8_sym_channel", "fp8_e4m3_channel")),  # a multiple of 16, not of 128
+])
+def test_each_format_refuses_the_linear_shapes_it_cannot_hold_by_key(key, value, fits):
+    """A format's shape rule (engine/formats: `in_multiple`) is checked with the model's format, naming the key."""
+    config = Qwen2Config.from_hf_dict({**BASE, key: value})
+    for name in FORMATS:
+        if name in fits:
+            check_linears(config, name)
+        else:
+            with pytest.raises(ConfigError, match=f"{key}.*{name}"):
+                check_linears(config, name)
 
 
 def test_missing_key_is_named():

@@ -20,17 +20,19 @@ from hypothesis import strategies as st
 from engine.formats import get_format
 from fixtures.strategies import fp16, linear_shapes, quantizable_weight, rng_for, seeds
 from kernels import QuantizedWeight
-from kernels.numpy import NumpyBackend, blas, int4
+from engine.formats import FORMATS
+from kernels.numpy import NumpyBackend, blas, linear
 from ladder.compare import assert_close, assert_equal
 from reference import ops as ref_ops
+from reference.formats import REF_DEQUANT, ref_dequant_int4_sym_g128, ref_unpack_int4
 
 F16, F32 = np.float16, np.float32
 INT4 = get_format("int4_sym_g128")
 
 
-def _prepared(be, w):
-    t = INT4.quantize(w)
-    return be.prepare_linear(INT4.name, t, w.shape[0], w.shape[1]), t
+def _prepared(be, w, fmt=INT4):
+    t = fmt.quantize(w)
+    return be.prepare_linear(fmt.name, t, w.shape[0], w.shape[1]), t
 
 
 def _read_only(a):
@@ -55,36 +57,41 @@ def test_repacked_weights_are_exactly_the_stored_weight(out_f, groups, seed):
     qw, t = _prepared(NumpyBackend(), w)
     wt = qw["wt_f32"]
     assert wt.dtype == F32 and wt.shape == (128 * groups, out_f) and wt.flags.c_contiguous
-    assert_equal("repack_fp32", wt.T, ref_ops.ref_dequant_int4_sym_g128(t["qweight"], t["scales"]), backend="numpy", seed=seed)
+    assert_equal("repack_fp32", wt.T, ref_dequant_int4_sym_g128(t["qweight"], t["scales"]), backend="numpy", seed=seed)
     qi8, _ = _prepared(NumpyBackend(repack_bytes=0), w)
     assert "wt_f32" not in qi8.tensors
-    assert_equal("repack_int8", qi8["q_i8"].astype(np.int64) + 8, ref_ops.ref_unpack_int4(t["qweight"]), backend="numpy", seed=seed)
+    assert_equal("repack_int8", qi8["q_i8"].astype(np.int64) + 8, ref_unpack_int4(t["qweight"]), backend="numpy", seed=seed)
     for q in (qw, qi8):  # the stored tensors stay as they came
         assert_equal("stored_qweight", q["qweight"], t["qweight"], backend="numpy", seed=seed)
         assert_equal("stored_scales", q["scales"], t["scales"], backend="numpy", seed=seed)
 
 
-@pytest.mark.parametrize("layout", ["fp32", "int8", "packed"])
+@pytest.mark.parametrize("fmt_name", sorted(FORMATS))
+@pytest.mark.parametrize("layout", ["fp32", "per_call", "packed"])
 @given(shape=linear_shapes(), seed=seeds)
 @example(shape=(1, 512, 136, 0), seed=0)
-def test_every_weight_layout_passes_the_linear_check(layout, shape, seed):
+def test_every_weight_layout_passes_the_linear_check(fmt_name, layout, shape, seed):
+    """fp32: dequantized once; per_call: past the budget (int4_sym_g128: int8 values), rows dequantized
+    per call in blocks; packed: a weight made without prepare_linear, only its stored tensors."""
+    fmt = FORMATS[fmt_name]
     T, in_f, out_f, _ = shape
     rng = rng_for(seed)
     x = fp16(rng, (T, in_f))
     w = quantizable_weight(rng, out_f, in_f)
     resid = (rng.standard_normal((T, out_f)) * 4).astype(F32)
-    be = NumpyBackend(repack_bytes=0 if layout == "int8" else None)
-    qw, t = _prepared(be, w)
+    be = NumpyBackend(repack_bytes=0 if layout == "per_call" else None)
+    qw, t = _prepared(be, w, fmt)
     if layout == "packed":  # made without prepare_linear: only the stored tensors
-        qw = QuantizedWeight(INT4.name, out_f, in_f, dict(t))
-    wref = ref_ops.REF_DEQUANT[INT4.name](t)
+        qw = QuantizedWeight(fmt.name, out_f, in_f, dict(t))
+    assert ("wt_f32" in qw.tensors) == (layout == "fp32")
+    wref = REF_DEQUANT[fmt.name](t)
     ref = resid + ref_ops.ref_linear(x, wref)
     plain = resid + ref_ops.ref_linear(x, wref, dtype=F32)
     out = resid.copy()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(int4, "BLOCK_FLOATS", 3 * in_f)  # blocks of 3 rows: several blocks and a short last one
+        mp.setattr(linear, "BLOCK_FLOATS", 3 * in_f)  # blocks of 3 rows: several blocks and a short last one
         be.o_proj_residual(x, qw, out)
-    assert_close("o_proj_residual", out, ref, plain, backend="numpy", case=f"{layout},T={T},in={in_f},out={out_f}", seed=seed)
+    assert_close("o_proj_residual", out, ref, plain, backend="numpy", case=f"{fmt.name},{layout},T={T},in={in_f},out={out_f}", seed=seed)
 
 
 def test_the_budget_decides_the_layout_and_comes_back_when_a_weight_is_freed():
@@ -142,7 +149,7 @@ def test_lm_head_widens_per_call_a_table_that_can_change():
     view = writable.view()
     view.flags.writeable = False  # read-only itself, but its memory is writable through `writable`
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(int4, "BLOCK_FLOATS", 256 * 1000)  # the per-call path in blocks of 1000 rows
+        mp.setattr(linear, "BLOCK_FLOATS", 256 * 1000)  # the per-call path in blocks of 1000 rows
         for table in (writable, view):
             for step in range(2):
                 out = _logits(be, x, table)

@@ -18,6 +18,7 @@ from fixtures.strategies import (PAGE_BOUNDARY_LENGTHS, PagedCase, fp16, linear_
 from ladder.compare import assert_close, assert_equal
 from ladder.harness import dev, host, quantized, sentinel
 from reference import ops as ref_ops
+from reference.formats import REF_DEQUANT
 
 F16, F32 = np.float16, np.float32
 
@@ -28,10 +29,10 @@ def _round(a, dtype):
 
 def _quantized(backend, fmt, w):
     """(the backend's weight, the float64 reference weight) for a float32 weight in format `fmt`."""
-    if fmt.name not in ref_ops.REF_DEQUANT:
-        pytest.fail(f"format {fmt.name!r} has no reference reading in reference/ops.py REF_DEQUANT")
+    if fmt.name not in REF_DEQUANT:
+        pytest.fail(f"format {fmt.name!r} has no reference reading in reference/formats.py REF_DEQUANT")
     qw, tensors = quantized(backend, fmt, w)
-    return qw, ref_ops.REF_DEQUANT[fmt.name](tensors)
+    return qw, REF_DEQUANT[fmt.name](tensors)
 
 
 # --- embed ---------------------------------------------------------------------------------------

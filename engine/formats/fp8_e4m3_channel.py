@@ -1,0 +1,109 @@
+"""`fp8_e4m3_channel`: FP8 E4M3 weights with one fp16 scale per output row (W8A16, the OCP "e4m3fn").
+
+This module is the definition (docs/FORMAT.md, "fp8_e4m3_channel"), written to match the H200's own
+conversion (`cvt.rn.satfinite.e4m3x2.f32` to encode, `cvt.rn.f16x2.e4m3x2` to decode) bit for bit.
+
+An e4m3 byte is `s eeee mmm`, exponent bias 7, no infinities:
+
+    e = 0          subnormal: (-1)^s * m/8 * 2^-6          (m = 1..7: 2^-9 .. 0.875 * 2^-6; m = 0: +-0)
+    e = 1 .. 15    normal:    (-1)^s * (1 + m/8) * 2^(e-7)  (largest: e = 15, m = 6: 448)
+    e = 15, m = 7  NaN (0x7F, 0xFF)
+
+Encoding a float32 `v` (`encode_e4m3`): round to nearest, ties to even, on the e4m3 grid (subnormals
+included: |v| <= 2^-10 rounds to 0, a tie at 2^-10 to even, i.e. to 0); a finite result past 448, and
++-inf, saturate to +-448 (0x7E / 0xFE); NaN encodes as 0x7F; the sign of zero is kept.
+
+For a weight `W[out, in]` (float32):
+
+    s[o] = fp16(max |W[o, :]| / 448)
+    q    = encode_e4m3(fp32(W) / fp32(s))     (q = 0 where s = 0; saturation catches s rounded down)
+    W~   = decode(q) * s                      (exact in fp32: 4 x 11 significant bits)
+
+`qweight` is uint8 `[out, in]` (the e4m3 bytes), row-major; `scales` is fp16 `[out]`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine.formats import Format, register
+
+FP8_MAX = 448.0
+NAN_CODE = 0x7F
+
+
+def decode_e4m3(codes: np.ndarray) -> np.ndarray:
+    """uint8 e4m3 bytes -> float32 values (NaN for 0x7F / 0xFF)."""
+    c = np.asarray(codes, dtype=np.uint8).astype(np.int32)
+    sign = np.where(c & 0x80, -1.0, 1.0)
+    e, m = (c >> 3) & 0xF, c & 0x7
+    mag = np.where(e == 0, m / 8.0 * 2.0**-6, (1.0 + m / 8.0) * np.exp2(e - 7.0))
+    mag = np.where((e == 15) & (m == 7), np.nan, mag)
+    return (sign * mag).astype(np.float32)
+
+
+def encode_e4m3(v: np.ndarray) -> np.ndarray:
+    """float32 values -> uint8 e4m3 bytes: round to nearest even, saturate finite overflow and inf to 448."""
+    v = np.asarray(v, dtype=np.float32)
+    a = np.abs(v.astype(np.float64))
+    nan = np.isnan(a)
+    a = np.where(nan | (a > FP8_MAX), FP8_MAX, a)  # inf and overflow saturate; NaN handled below
+    # The grid step where `a` lies: 2^(e-3) for a in [2^e, 2^(e+1)), e >= -6; 2^-9 below 2^-6 (subnormals).
+    with np.errstate(divide="ignore"):
+        e = np.floor(np.log2(np.where(a > 0, a, 1.0)))
+    e = np.maximum(e, -6.0)
+    step = np.exp2(e - 3.0)
+    q = np.rint(a / step) * step  # exact: a / step is a power-of-two scaling; rint ties to even
+    q = np.minimum(q, FP8_MAX)  # 448 < a <= 464 rounds within range; past it the clip above already saturated
+    # Bits of q: exponent field and mantissa.
+    with np.errstate(divide="ignore"):
+        qe = np.floor(np.log2(np.where(q > 0, q, 1.0)))
+    normal = (q >= 2.0**-6)
+    exp_field = np.where(normal, qe + 7, 0).astype(np.int32)
+    mant = np.where(normal, q / np.exp2(qe - 3.0) - 8.0, q / 2.0**-9).astype(np.int32)
+    code = (exp_field << 3) | mant
+    code = np.where(q == 0, 0, code)
+    code = np.where(np.signbit(v), code | 0x80, code)
+    code = np.where(nan, NAN_CODE, code)
+    return code.astype(np.uint8)
+
+
+class Fp8E4m3Channel(Format):
+    name = "fp8_e4m3_channel"
+    suffixes = (".qweight", ".scales")
+    in_multiple = 16  # the kernels read a row in 16-byte loads (16 weights)
+    describes = "FP8 E4M3 (e4m3fn), an fp16 scale per output row (W8A16)"
+
+    def tensor_specs(self, out_features: int, in_features: int):
+        return {".qweight": ("uint8", (out_features, in_features)), ".scales": ("float16", (out_features,))}
+
+    def quantize(self, w: np.ndarray) -> dict[str, np.ndarray]:
+        w = np.asarray(w, dtype=np.float32)
+        self._check_shape(w)
+        self._check_finite(w)
+        with np.errstate(over="ignore"):
+            scales = (np.abs(w).max(axis=1) / np.float32(FP8_MAX)).astype(np.float16)
+        if not np.isfinite(scales).all():
+            raise ValueError(f"a row's max |w| / 448 overflows fp16 (|w| > {65504 * 448}); {self.name} cannot hold it")
+        s32 = scales.astype(np.float32)[:, None]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            v = np.where(s32 > 0, w / s32, np.float32(0)).astype(np.float32)
+        return {"qweight": encode_e4m3(v), "scales": scales}
+
+    def dequantize(self, tensors: dict[str, np.ndarray]) -> np.ndarray:
+        return decode_e4m3(tensors["qweight"]) * np.asarray(tensors["scales"]).astype(np.float32)[:, None]
+
+    def swap_pair(self, tensors):
+        t = {k: np.array(v, copy=True) for k, v in tensors.items()}
+        t["qweight"][:, [0, 1]] = t["qweight"][:, [1, 0]]
+        return t
+
+    def shift_scale(self, tensors):
+        """The last row takes the scale of the row before it (one row: no change)."""
+        t = {k: np.array(v, copy=True) for k, v in tensors.items()}
+        if t["scales"].shape[0] > 1:
+            t["scales"][-1] = t["scales"][-2]
+        return t
+
+
+FORMAT = register(Fp8E4m3Channel())

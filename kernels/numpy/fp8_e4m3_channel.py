@@ -1,0 +1,53 @@
+"""`fp8_e4m3_channel` linear kernels for the NumPy backend: an independent reading of docs/FORMAT.md.
+
+`qweight` uint8 e4m3 bytes `[out, in]`, `scales` fp16 `[out]`. The bytes are decoded through a
+256-entry table built here from the bit layout (`s eeee mmm`, bias 7, subnormals at e = 0, NaN at
+0x7F / 0xFF, no infinities), the way the GPU's `cvt.rn.f16x2.e4m3x2` decodes them; every value is
+exact in fp16, and value * fp16 scale is exact in fp32.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kernels.numpy import linear
+
+FORMAT = "fp8_e4m3_channel"
+
+
+def _decode_table() -> np.ndarray:
+    table = np.empty(256, dtype=np.float32)
+    for code in range(256):
+        sign = -1.0 if code & 0x80 else 1.0
+        e, m = (code >> 3) & 0xF, code & 0x7
+        if e == 15 and m == 7:
+            table[code] = np.nan
+        elif e == 0:
+            table[code] = sign * m * 2.0**-9  # subnormal: m/8 * 2^-6
+        else:
+            table[code] = sign * (8 + m) * 2.0 ** (e - 10)  # (1 + m/8) * 2^(e-7)
+    return table
+
+
+E4M3 = _decode_table()
+
+
+def _rows(q: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    return E4M3[q] * scales.astype(np.float32)[:, None]
+
+
+def dequantize(tensors: dict) -> np.ndarray:
+    return _rows(tensors["qweight"], tensors["scales"])
+
+
+def repack(tensors: dict, fp32: bool) -> dict:
+    return linear.fp32_transposed(dequantize(tensors)) if fp32 else {}
+
+
+def repacked_nbytes(out_features: int, in_features: int, fp32: bool) -> int:
+    return out_features * in_features * 4 if fp32 else 0
+
+
+def matmul(x: np.ndarray, w) -> np.ndarray:
+    t = w.tensors
+    return linear.matmul(x, w, lambda r0, r1: _rows(t["qweight"][r0:r1], t["scales"][r0:r1]))
