@@ -7,8 +7,9 @@ rung) are always affected. `ladder/unit/test_faults.py` runs real rungs with eac
 subprocess and asserts they go red and name the op: a rung that stays green under its fault is a bug
 in the rung.
 
-The wrappers work on any backend: they change an op's inputs, or, for fp16 accumulation, recompute
-the op's contribution on the host from the weights `prepare_linear` was given.
+The wrappers work on any backend and any format: they change an op's inputs (a quantized weight's
+through its format's own `swap_pair` / `shift_scale`), or, for fp16 accumulation, recompute the op's
+contribution on the host from the weights `prepare_linear` was given, dequantized by their format.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Callable
 import numpy as np
 
 from engine.block import CURRENT_LAYER
+from engine.formats import get_format
 from kernels import QuantizedWeight
 
 
@@ -74,34 +76,27 @@ def _stale_page_read(backend, active):
     _wrap(backend, "attention_decode", make)
 
 
-# --- the INT4 unpack -----------------------------------------------------------------------------
+# --- the unpack of a quantized weight (any format, through its own definition) -------------------
 
 
-def _retensor(backend, original_prepare, edit):
+def _retensor(backend, original_prepare, edit_name: str):
+    """prepare_linear that hands the backend the tensors as the format's `edit_name` edit misreads them."""
     def prepare(fmt, tensors, out_features, in_features):
-        if fmt == "int4_sym_g128":
-            tensors = edit({k: np.array(v, copy=True) for k, v in tensors.items()})
+        tensors = getattr(get_format(fmt), edit_name)(tensors)
         return original_prepare(fmt, tensors, out_features, in_features)
     return prepare
 
 
 def _nibble_swap(backend, active):
-    """The unpack swaps elements 0 and 1 of the first word of every row (nibbles 0 and 4)."""
-    def edit(t):
-        w = t["qweight"][:, 0]
-        lo, hi = w & 0xF, (w >> 16) & 0xF
-        t["qweight"][:, 0] = (w & ~np.uint32(0x000F000F)) | hi | (lo << 16)
-        return t
-    _wrap(backend, "prepare_linear", lambda original: _retensor(backend, original, edit))
+    """The unpack swaps elements 0 and 1 of every row (INT4: nibbles 0 and 4 of the first word;
+    the format's `swap_pair`)."""
+    _wrap(backend, "prepare_linear", lambda original: _retensor(backend, original, "swap_pair"))
 
 
 def _wrong_group_scale(backend, active):
-    """The last group of every row uses the scale of the group before it."""
-    def edit(t):
-        if t["scales"].shape[1] > 1:
-            t["scales"][:, -1] = t["scales"][:, -2]
-        return t
-    _wrap(backend, "prepare_linear", lambda original: _retensor(backend, original, edit))
+    """The last group of every row uses the scale of the group before it (per-row formats: the last row
+    uses its neighbour's; the format's `shift_scale`)."""
+    _wrap(backend, "prepare_linear", lambda original: _retensor(backend, original, "shift_scale"))
 
 
 # --- projections, RoPE ---------------------------------------------------------------------------
@@ -148,11 +143,7 @@ def _fp16_accumulation(backend, active):
         def op(x, w: QuantizedWeight, residual):
             if not active() or id(w) not in hosts:
                 return original(x, w, residual)
-            t = hosts[id(w)][1]
-            vals = np.empty(t["qweight"].shape + (8,), np.float32)
-            for k, e in enumerate((0, 2, 4, 6, 1, 3, 5, 7)):
-                vals[..., e] = ((t["qweight"] >> np.uint32(4 * k)) & np.uint32(0xF)).astype(np.float32) - 8
-            wf = vals.reshape(w.out_features, w.in_features) * np.repeat(t["scales"].astype(np.float32), 128, axis=1)
+            wf = get_format(w.format).dequantize(hosts[id(w)][1])
             xf = _host(backend, x).astype(np.float16)
             acc = np.zeros((xf.shape[0], w.out_features), np.float16)
             for g in range(0, w.in_features, 128):  # partial sums rounded to fp16 after every group
@@ -170,7 +161,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           _attention_page_edge, "-m unit -k attention", ("attention",)),
     Fault("stale_page_read", ("attention_decode",), "a stale page-table entry at a new page",
           _stale_page_read, "-m unit -k attention_decode", ("attention_decode",)),
-    Fault("nibble_swap", ("prepare_linear",), "swapped nibbles in the INT4 unpack",
+    Fault("nibble_swap", ("prepare_linear",), "two elements of a row swapped in the unpack",
           _nibble_swap, "-m unit -k 'qkv_proj or residual or gate_up'", ("qkv_proj", "o_proj_residual", "down_residual", "gate_up_silu")),
     Fault("wrong_group_scale", ("prepare_linear",), "the wrong group's scale",
           _wrong_group_scale, "-m unit -k 'qkv_proj or residual or gate_up'", ("qkv_proj", "o_proj_residual", "down_residual", "gate_up_silu")),

@@ -1,0 +1,225 @@
+"""Unit rung: every quantization format, read three ways (engine/formats, kernels/numpy, reference/formats).
+
+What each format must do, whatever its layout (docs/FORMAT.md): the three readings of its stored bytes
+agree exactly; its tensors have the dtypes and shapes `tensor_specs` promises; the dequantized weight
+is within the format's step of the original; `fuse` stacks rows; the fault edits change exactly what
+they say; weights it cannot hold and shapes it cannot take are refused. Then what each new format
+pins bit for bit: the int8 clamp, the int4_asym_g128 scale_zero word, and the e4m3 encoder against
+PyTorch's float8_e4m3fn on every value and midpoint of the grid (the GPU's own conversion is checked in
+test_fp8_hardware.py).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from engine.formats import FORMATS, get_format
+from engine.formats.fp8_e4m3_channel import FP8_MAX, decode_e4m3, encode_e4m3
+from engine.formats.int4_asym_g128 import pack_scale_zero, unpack_scale_zero
+from engine.formats.int4_sym_g128 import unpack
+from fixtures.strategies import quantizable_weight, rng_for, seeds
+from ladder.compare import assert_close, assert_equal
+from reference.formats import REF_DEQUANT, ref_e4m3
+
+NAMES = sorted(FORMATS)
+
+
+def _numpy_kernel(name):
+    return importlib.import_module(f"kernels.numpy.{name}")
+
+
+def _step(fmt, t) -> np.ndarray:
+    """The largest rounding step of each element's scale, float64 `[out, in]` (the error bound's unit)."""
+    w = fmt.dequantize(t)
+    out_f, in_f = w.shape
+    if fmt.name == "int4_sym_g128":
+        return np.repeat(t["scales"].astype(np.float64), 128, axis=1)
+    if fmt.name == "int4_asym_g128":
+        return np.repeat(unpack_scale_zero(t["scale_zero"])[0].astype(np.float64), 128, axis=1)
+    s = t["scales"].astype(np.float64)[:, None]
+    if fmt.name == "int8_sym_channel":
+        return np.broadcast_to(s, (out_f, in_f))
+    # e4m3: the grid step at |w| is 2^(floor(log2 |w/s|) - 3), at least 2^-9, times s
+    v = np.abs(w.astype(np.float64)) / np.where(s > 0, s, 1.0)
+    e = np.floor(np.log2(np.maximum(v, 2.0**-6)))
+    return np.exp2(e - 3) * s
+
+
+@pytest.mark.parametrize("name", NAMES)
+@given(out_f=st.integers(1, 12), units=st.integers(1, 3), scale=st.sampled_from((1e-3, 0.05, 3.0)), seed=seeds)
+@example(out_f=2, units=1, scale=0.05, seed=0)
+def test_three_readings_agree_and_stay_within_a_step(name, out_f, units, scale, seed):
+    fmt = get_format(name)
+    in_f = 128 * units
+    w = quantizable_weight(rng_for(seed), out_f, in_f, scale)
+    t = fmt.quantize(w)
+    specs = fmt.tensor_specs(out_f, in_f)
+    assert sorted("." + k for k in t) == sorted(specs) == sorted(fmt.suffixes)
+    for suffix, (dtype, shape) in specs.items():
+        a = t[suffix.lstrip(".")]
+        assert a.dtype == np.dtype(dtype) and a.shape == shape, (suffix, a.dtype, a.shape)
+    deq = fmt.dequantize(t)
+    assert deq.dtype == np.float32 and deq.shape == (out_f, in_f)
+    assert_close("dequantize", deq, REF_DEQUANT[name](t), backend="reference", case=name, seed=seed)
+    assert_close("dequantize", _numpy_kernel(name).dequantize(t), deq.astype(np.float64), backend="numpy", case=name, seed=seed)
+    # Round to nearest on the format's grid: at most half a step, one step where an asymmetric range's
+    # rounded zero point shifts the grid's ends.
+    bound = _step(fmt, t) * (1.0 if name == "int4_asym_g128" else 0.5)
+    err = np.abs(deq.astype(np.float64) - w)
+    assert (err <= bound * (1 + 1e-6) + 1e-30).all(), f"{name}: max error / bound = {(err / np.maximum(bound, 1e-30)).max():.4f}"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_fuse_stacks_the_rows_of_its_parts(name):
+    fmt, rng = get_format(name), rng_for(3)
+    parts = [fmt.quantize(quantizable_weight(rng, rows, 256)) for rows in (3, 5, 2)]
+    fused = fmt.fuse(parts)
+    assert_equal("fuse", fmt.dequantize(fused), np.concatenate([fmt.dequantize(p) for p in parts]), backend="numpy", case=name)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_fault_edits_change_exactly_what_they_say(name):
+    fmt = get_format(name)
+    w = quantizable_weight(rng_for(4), 6, 256)
+    w[:, 0], w[:, 1] = 0.04, -0.02  # elements 0 and 1 differ in every row
+    t = fmt.quantize(w)
+    before = fmt.dequantize(t)
+    swapped = fmt.dequantize(fmt.swap_pair(t))
+    assert_equal("swap_pair", swapped[:, [1, 0]], before[:, :2], backend="numpy", case=name)
+    assert_equal("swap_pair_rest", swapped[:, 2:], before[:, 2:], backend="numpy", case=name)
+    shifted = fmt.dequantize(fmt.shift_scale(t))
+    changed = np.flatnonzero((shifted != before).any(axis=0) if name.endswith("channel") else (shifted != before).any(axis=1))
+    assert changed.size, f"{name}: shift_scale changed nothing"
+    if name.endswith("channel"):  # the last row only
+        assert ((shifted != before).any(axis=1) == (np.arange(6) == 5)).all()
+    else:  # the last group of a row only
+        assert (shifted[:, :128] == before[:, :128]).all()
+    assert_equal("dequantize", fmt.dequantize(t), before, backend="numpy", case=f"{name}: the edits copy")
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_weights_holding_nan_or_inf_are_refused(name, bad):
+    w = np.zeros((2, 128), dtype=np.float32)
+    w[1, 7] = bad
+    with pytest.raises(ValueError, match="NaN or inf"):
+        get_format(name).quantize(w)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_input_widths_off_the_format_rule_are_refused_with_the_rule(name):
+    fmt = get_format(name)
+    bad = fmt.in_multiple + 8 if fmt.in_multiple > 8 else 7
+    assert fmt.check_linear(4, bad) is not None and fmt.check_linear(4, 2 * fmt.in_multiple) is None
+    with pytest.raises(ValueError, match=f"multiple of {fmt.in_multiple}"):
+        fmt.quantize(np.ones((2, bad), dtype=np.float32))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_all_zero_rows_dequantize_to_zero(name):
+    fmt = get_format(name)
+    w = np.zeros((3, 256), dtype=np.float32)
+    w[1] = np.linspace(-1, 1, 256)
+    deq = fmt.dequantize(fmt.quantize(w))
+    assert (deq[0] == 0).all() and (deq[2] == 0).all()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_bytes_per_weight_counts_scales_and_zero_points(name):
+    fmt = get_format(name)
+    expect = {"int4_sym_g128": 0.5 + 2 / 128, "int4_asym_g128": 0.5 + 4 / 128,
+              "int8_sym_channel": 1 + 2 / 4096, "fp8_e4m3_channel": 1 + 2 / 4096}[name]
+    assert fmt.bytes_per_weight(4096, 4096) == pytest.approx(expect)
+
+
+# --- int8_sym_channel ------------------------------------------------------------------------------
+
+
+def test_int8_scale_is_max_over_127_and_minus_128_is_never_stored():
+    w = np.linspace(-2.0, 1.0, 256, dtype=np.float32).reshape(2, 128)
+    t = get_format("int8_sym_channel").quantize(w)
+    assert_equal("scales", t["scales"], (np.abs(w).max(axis=1) / np.float32(127)).astype(np.float16), backend="numpy")
+    assert t["qweight"].min() >= -127 and t["qweight"][0, 0] == -127
+
+
+# --- int4_asym_g128 --------------------------------------------------------------------------------
+
+
+def test_scale_zero_word_holds_the_scale_then_1024_plus_z():
+    # scale 1.0 (0x3C00) and z = 5: the high half is 0x6405, the fp16 number 1029.
+    word = pack_scale_zero(np.float16([1.0]), np.array([5]))
+    assert int(word[0]) == 0x64053C00
+    assert word.tobytes() == bytes([0x00, 0x3C, 0x05, 0x64])
+    s, z = unpack_scale_zero(word)
+    assert s[0] == np.float16(1.0) and z[0] == 5
+    assert np.float16(1029.0).view(np.uint16) == 0x6405
+
+
+def test_scale_zero_words_without_the_magic_high_half_are_refused():
+    with pytest.raises(ValueError, match="0x6400"):
+        unpack_scale_zero(np.array([0x3C00], dtype=np.uint32))
+
+
+def test_asymmetric_range_spends_all_sixteen_levels_on_a_one_sided_group():
+    # All-positive group 0 .. 15: lo = 0, so z = 0, s = 1, and every level 0..15 is an exact value.
+    w = np.tile(np.arange(16, dtype=np.float32), 8).reshape(1, 128)
+    fmt = get_format("int4_asym_g128")
+    t = fmt.quantize(w)
+    s, z = unpack_scale_zero(t["scale_zero"])
+    assert s[0, 0] == np.float16(1.0) and z[0, 0] == 0
+    assert_equal("dequantize", fmt.dequantize(t), w, backend="numpy")
+    assert sorted(set(unpack(t["qweight"])[0].tolist())) == list(range(16))
+
+
+# --- fp8_e4m3_channel ------------------------------------------------------------------------------
+
+
+def test_e4m3_decode_matches_the_bit_fields_and_torch_for_all_256_codes():
+    torch = pytest.importorskip("torch")
+    codes = np.arange(256, dtype=np.uint8)
+    ours = decode_e4m3(codes)
+    fields = np.array([ref_e4m3(int(c)) for c in codes], dtype=np.float32)
+    theirs = torch.from_numpy(codes).view(torch.float8_e4m3fn).float().numpy()
+    assert np.array_equal(ours, fields, equal_nan=True)
+    assert np.array_equal(ours, theirs, equal_nan=True)
+    assert np.isnan(ours[[0x7F, 0xFF]]).all() and np.isnan(ours).sum() == 2
+    assert ours[0x7E] == FP8_MAX and ours[0x01] == 2.0**-9 and ours[0x08] == 2.0**-6
+
+
+def _grid_and_midpoints() -> np.ndarray:
+    values = np.unique(decode_e4m3(np.arange(256, dtype=np.uint8))[~np.isnan(decode_e4m3(np.arange(256, dtype=np.uint8)))])
+    v64 = values.astype(np.float64)
+    mids = ((v64[:-1] + v64[1:]) / 2).astype(np.float32)  # exact in fp32: ties
+    near = np.concatenate([np.nextafter(mids, np.float32(np.inf)), np.nextafter(mids, np.float32(-np.inf))])
+    return np.concatenate([values, mids, near, np.float32([2.0**-10, -(2.0**-10), 2.0**-11, 3 * 2.0**-11, 0.0, -0.0])])
+
+
+def test_e4m3_encode_rounds_to_nearest_even_like_torch_on_every_value_and_midpoint():
+    torch = pytest.importorskip("torch")
+    v = _grid_and_midpoints()
+    ours = encode_e4m3(v)
+    theirs = torch.from_numpy(v).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+    bad = np.flatnonzero(ours != theirs)
+    assert bad.size == 0, f"{bad.size} values differ, first {v[bad[:5]]}: ours {ours[bad[:5]]}, torch {theirs[bad[:5]]}"
+    grid = decode_e4m3(np.arange(256, dtype=np.uint8))
+    finite = ~np.isnan(grid)
+    assert np.array_equal(encode_e4m3(grid[finite]), np.arange(256, dtype=np.uint8)[finite]), "every e4m3 value encodes to itself"
+
+
+def test_e4m3_encode_saturates_overflow_and_inf_and_keeps_nan_and_signed_zero():
+    # (torch's own cast turns overflow into NaN; the H200's .satfinite conversion, which the engine's
+    # kernels follow, clamps to +-448: that is the definition.)
+    v = np.float32([448.0, 460.0, 464.0, 1e4, 3e38, np.inf, -np.inf, -500.0, np.nan, -0.0, 0.0])
+    assert encode_e4m3(v).tolist() == [0x7E, 0x7E, 0x7E, 0x7E, 0x7E, 0x7E, 0xFE, 0xFE, 0x7F, 0x80, 0x00]
+
+
+def test_fp8_scale_maps_each_rows_max_onto_448():
+    w = quantizable_weight(rng_for(7), 4, 256)
+    t = get_format("fp8_e4m3_channel").quantize(w)
+    assert_equal("scales", t["scales"], (np.abs(w).max(axis=1) / np.float32(FP8_MAX)).astype(np.float16), backend="numpy")
+    assert (np.abs(decode_e4m3(t["qweight"])) <= FP8_MAX).all()
