@@ -21,7 +21,8 @@ def cache_root() -> Path:
 
 
 def resolve_model(spec: str | None, quant: str = DEFAULT_FORMAT, progress=True) -> Path:
-    """A .nanoqwen path for `spec`: None -> the default model; a folder -> its cached conversion.
+    """A .nanoqwen path for `spec` in format `quant`: None -> the default model; a folder -> its cached
+    conversion; a file -> itself (in the format it was written in).
 
     A folder is converted once into the cache, with a progress bar on stderr (`progress=False` for
     none, or a callable `progress(i, n, name)`). The conversion writes through a temporary file that
@@ -30,7 +31,7 @@ def resolve_model(spec: str | None, quant: str = DEFAULT_FORMAT, progress=True) 
     if spec is None:
         from fixtures.default_model import default_model_file
 
-        return default_model_file()
+        return default_model_file(quant)
     path = Path(spec)
     if not path.is_dir():
         return path

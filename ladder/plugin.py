@@ -12,7 +12,7 @@ Loaded by the repository's root conftest.py, or with `-p ladder.plugin` from an 
   `backend_needs_device`); nothing here tests a backend's name.
 - `--quant FORMAT|all` picks the quantization formats the `quant_format` fixture runs over.
 - `--plant-fault NAME[@LAYER]` wraps one op of every Backend object with a fault from ladder/faults.py.
-- `--update-golden` regenerates the golden activations (once, before the tests, on the controller).
+- `--update-golden` regenerates the golden activations (once per format, before the tests, on the controller).
 - Hypothesis profiles `ci` (the default: quick, derandomized) and `nightly` (thorough), chosen with
   Hypothesis' own `--hypothesis-profile`.
 - At the end, a table per rung (run, passed, failed, skipped with reasons) and each op's worst error
@@ -118,6 +118,26 @@ def selected_formats(config) -> list[str]:
     return [choice]
 
 
+def model_formats(config) -> list[str]:
+    """The formats the model-bound tests (layer, graph, the engine's) run in: every selected one for the
+    default model or a Hugging Face folder (converted once per format); a .nanoqwen file's own."""
+    names = selected_formats(config)
+    spec = config.getoption("--model")
+    if spec is None or Path(spec).is_dir():
+        return names
+    from engine.errors import NanoqwenError
+    from engine.modelfile import ModelFile
+
+    try:
+        quant = ModelFile(spec, verify_checksums=False).quant
+    except (NanoqwenError, OSError) as e:
+        raise pytest.UsageError(f"--model {spec}: {e}") from None
+    if config.getoption("--quant") not in ("all", quant):
+        raise pytest.UsageError(f"--model {spec} is quantized as {quant}; to test it as "
+                                f"{config.getoption('--quant')}, give its Hugging Face folder")
+    return [quant]
+
+
 def _is_worker(config) -> bool:
     return hasattr(config, "workerinput")
 
@@ -149,9 +169,10 @@ def pytest_sessionstart(session):
         from fixtures.golden import write_golden
         from engine.resolve import resolve_model
 
-        path = resolve_model(config.getoption("--model"))
-        folder = write_golden(path)
-        config.get_terminal_writer().line(f"nanoqwen: golden activations written to {folder}")
+        for quant in model_formats(config):
+            path = resolve_model(config.getoption("--model"), quant)
+            folder = write_golden(path)
+            config.get_terminal_writer().line(f"nanoqwen: golden activations of {quant} written to {folder}")
 
 
 def pytest_report_header(config):
@@ -166,7 +187,8 @@ def pytest_generate_tests(metafunc):
         names = selected_backends(metafunc.config)
         metafunc.parametrize("backend_name", names, ids=names, scope="session")
     if "quant_name" in metafunc.fixturenames:
-        names = selected_formats(metafunc.config)
+        model_bound = "model_path" in metafunc.fixturenames
+        names = model_formats(metafunc.config) if model_bound else selected_formats(metafunc.config)
         metafunc.parametrize("quant_name", names, ids=names, scope="session")
 
 
@@ -238,11 +260,11 @@ def quant_format(quant_name):
 
 
 @pytest.fixture(scope="session")
-def model_path(request) -> Path:
-    """The .nanoqwen file under test (--model, else the embedded default model)."""
+def model_path(request, quant_name) -> Path:
+    """The .nanoqwen file under test, in format `quant_name` (--model, else the embedded default model)."""
     from engine.resolve import resolve_model
 
-    return resolve_model(request.config.getoption("--model"))
+    return resolve_model(request.config.getoption("--model"), quant_name)
 
 
 @pytest.hookimpl(hookwrapper=True)

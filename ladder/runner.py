@@ -43,7 +43,7 @@ def rung_command(rung: str, out: Path, args, extra: list[str]) -> list[str]:
            "--junitxml", str(out / f"junit-{rung}.xml"), "-o", "junit_family=xunit2"]
     if args.workers != "0":
         cmd += ["-n", args.workers]
-    for opt in ("backend", "model", "prompts", "plant_fault", "hypothesis_profile", "new_tokens"):
+    for opt in ("backend", "quant", "model", "prompts", "plant_fault", "hypothesis_profile", "new_tokens"):
         value = getattr(args, opt, None)
         if value:
             cmd += [f"--{opt.replace('_', '-')}", str(value)]
@@ -93,13 +93,26 @@ def cmd_ladder(args) -> int:
         baseline = ladder_report.load(Path(args.baseline)) if args.baseline else None
     except (OSError, ValueError) as e:
         raise LadderArgumentError(f"--baseline {args.baseline}: {e}") from None
-    if args.model:  # resolve once: an HF folder is converted here, not by each worker
-        args.model = str(resolve_model(args.model))
+    from engine.formats import FORMATS
+
+    if args.quant != "all" and args.quant not in FORMATS:
+        raise LadderArgumentError(f"--quant {args.quant}: unknown format; known: {', '.join(sorted(FORMATS))}, all")
+    formats = sorted(FORMATS) if args.quant == "all" else [args.quant]
+    model_files = []  # the model under test, one file per format it runs in
+    if args.model:  # resolve once: an HF folder is converted here, once per format, not by each worker
         from engine.model import checked_config
         from engine.modelfile import ModelFile
 
-        with ModelFile(args.model) as mf:  # a malformed model is one typed error (exit 2), not red rungs
-            checked_config(mf)
+        if not Path(args.model).is_dir():
+            with ModelFile(args.model) as mf:
+                if args.quant not in ("all", mf.quant):
+                    raise LadderArgumentError(f"--model {args.model} is quantized as {mf.quant}; to test it as "
+                                              f"{args.quant}, give its Hugging Face folder")
+                formats = [mf.quant]
+        for quant in formats:
+            model_files.append(str(resolve_model(args.model, quant)))
+            with ModelFile(model_files[-1]) as mf:  # a malformed model is one typed error (exit 2), not red rungs
+                checked_config(mf)
     if args.plant_fault:  # an unknown fault is the user's typo, not a red rung
         from ladder.faults import parse
 
@@ -111,7 +124,7 @@ def cmd_ladder(args) -> int:
         from fixtures.prompts import PromptFileError, prompts_for_model
 
         try:
-            prompts_for_model(args.model or resolve_model(None), args.prompts)
+            prompts_for_model(model_files[0] if model_files else resolve_model(None), args.prompts)
         except PromptFileError as e:
             raise LadderArgumentError(f"--prompts: {e}") from None
     from engine.outpath import check_output_folder
@@ -141,7 +154,7 @@ def cmd_ladder(args) -> int:
             if not args.keep_going:
                 print(f"nanoqwen: rung {rung} is red; stopping (--keep-going runs the rest)", file=sys.stderr)
                 break
-    meta = {"model": args.model or "default", "backends": [args.backend or "auto"], "started": started,
+    meta = {"model": args.model or "default", "backends": [args.backend or "auto"], "formats": formats, "started": started,
             "plant_fault": args.plant_fault, "argv": sys.argv[1:]}
     rep = ladder_report.merge(results, meta)
     if baseline is not None:
@@ -193,6 +206,8 @@ def register(sub) -> None:
     lad.add_argument("--model", help=".nanoqwen file or Hugging Face folder (default: the embedded default model)")
     lad.add_argument("--prompts", help="graph-rung prompts (JSON lines with 'id' and 'ids' or 'text'); default: "
                                        "the default prompt set, re-tokenized or drawn for a model of another vocab")
+    lad.add_argument("--quant", default="all", metavar="FORMAT|all",
+                     help="quantization formats to run every rung in (default: all; docs/FORMAT.md)")
     lad.add_argument("--backend", choices=[*backend_names(), "all"],
                      help="default: every registered backend; one this machine cannot run skips with its reason")
     lad.add_argument("--require-backend", choices=backend_names(), help="a backend that must run (skip = failure)")

@@ -121,8 +121,8 @@ SYNTHETIC = {
 
 
 @pytest.mark.parametrize("shape", sorted(SYNTHETIC))
-def test_block_at_other_head_layouts(backend, hf_block, shape):
-    block = BlockUnderTest.synthetic(SYNTHETIC[shape], seed=11)
+def test_block_at_other_head_layouts(backend, quant_name, hf_block, shape):
+    block = BlockUnderTest.synthetic(SYNTHETIC[shape], seed=11, quant=quant_name)
     case = LayerCase(layer=0, L=15, steps=20, seed=5)  # decode crosses 16 and 32
     ref = hf_block(block.hf_config, block.weights, 0, case.inputs(block.config.hidden_size))
     check_block(backend, block, case, *ref, against="HF Qwen2DecoderLayer")
@@ -130,9 +130,9 @@ def test_block_at_other_head_layouts(backend, hf_block, shape):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", SEVEN_B_CASES, ids=str)
-def test_block_at_the_exact_7b_shape(backend, hf_block, case):
+def test_block_at_the_exact_7b_shape(backend, quant_name, hf_block, case):
     if not backend.needs_device:
         pytest.skip("the 7B-shape block is a GPU case (minutes on a CPU backend)")
-    block = BlockUnderTest.synthetic(SHAPES["qwen2.5-coder-7b"], seed=7)
+    block = BlockUnderTest.synthetic(SHAPES["qwen2.5-coder-7b"], seed=7, quant=quant_name)
     ref = hf_block(block.hf_config, block.weights, 0, case.inputs(block.config.hidden_size))
     check_block(backend, block, case, *ref, against="HF Qwen2DecoderLayer")
