@@ -1,10 +1,10 @@
 """The `nanoqwen` command line: the product's commands (generate, convert, inspect) and the table that
 finds the others (`python -m ladder` runs the same `main` from a plain checkout).
 
-    nanoqwen ladder [--model FILE|HF_DIR] [--prompts FILE] [--backend B] [--keep-going] [--report DIR]
-                    [--baseline DIR] [--coverage]
+    nanoqwen ladder [--model FILE|HF_DIR] [--quant FORMAT|all] [--prompts FILE] [--backend B] [--keep-going]
+                    [--report DIR] [--baseline DIR] [--coverage]
     nanoqwen generate [--model FILE] (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens N]
-    nanoqwen convert HF_DIR OUT.nanoqwen [--quant int4_sym_g128]
+    nanoqwen convert HF_DIR OUT.nanoqwen [--quant FORMAT]     (int4_sym_g128, int4_asym_g128, int8_sym_channel, fp8_e4m3_channel)
     nanoqwen inspect FILE
     nanoqwen bisect --good REV [--bad REV] [--backend B] [--repo PATH] [-- PYTEST ARGS, default -m unit]
     nanoqwen descend [--model FILE|HF_DIR] [--prompt TEXT | --prompt-ids 1,2,3] [--plant-fault NAME[@LAYER]]
@@ -32,7 +32,7 @@ import sys
 import time
 
 from engine.errors import NanoqwenError
-from engine.formats import DEFAULT_FORMAT
+from engine.formats import DEFAULT_FORMAT, FORMATS
 
 # The commands that live outside the engine: name -> "module:register", `register(subparsers)` adding it.
 COMMANDS = {
@@ -40,6 +40,7 @@ COMMANDS = {
     "bisect": "ladder.bisect:register",
     "descend": "ladder.descend:register",
     "bench": "bench.cli:register",
+    "quant-report": "ladder.quant_report:register",
 }
 
 
@@ -233,7 +234,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     c = sub.add_parser("convert", help="Hugging Face Qwen2 folder -> .nanoqwen")
     c.add_argument("hf_dir")
     c.add_argument("out")
-    c.add_argument("--quant", default=DEFAULT_FORMAT)
+    c.add_argument("--quant", default=DEFAULT_FORMAT, metavar="FORMAT",
+                   help=f"quantization format of the linears (default {DEFAULT_FORMAT}; one of {', '.join(sorted(FORMATS))})")
     c.set_defaults(func=cmd_convert)
 
     i = sub.add_parser("inspect", help="print a .nanoqwen file's header and tensor table")

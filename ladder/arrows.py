@@ -25,6 +25,9 @@ ARROWS: dict[str, frozenset[str]] = {
 NARROW_ARROWS: dict[tuple[str, str], str] = {
     ("engine.resolve", "fixtures.default_model"):
         "`nanoqwen generate` without --model runs the embedded default model, which fixtures/ builds",
+    ("ladder.quant_report", "bench.format_gemv"):
+        "`nanoqwen quant-report` shows each format's GEMV time on a GPU, which only the benchmark measures "
+        "(imported when the cuda backend runs)",
 }
 
 
