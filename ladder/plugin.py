@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
-from kernels import (BACKENDS, OPS, backend_available, backend_class, backend_names, backend_needs_device,
+from kernels import (OPS, backend_available, backend_class, backend_names, backend_needs_device,
                      get_backend)
 
 settings.register_profile("ci", max_examples=25, derandomize=True, deadline=None, print_blob=True,
@@ -53,9 +53,9 @@ MARKERS = {
 
 def pytest_addoption(parser):
     g = parser.getgroup("nanoqwen", "nanoqwen ladder")
-    g.addoption("--backend", default=None, choices=[*BACKENDS, "all"],
+    g.addoption("--backend", default=None, choices=[*backend_names(), "all"],
                 help="engine backend under test (default: every registered one; one that cannot run here skips with its reason)")
-    g.addoption("--require-backend", action="append", default=[], choices=list(BACKENDS),
+    g.addoption("--require-backend", action="append", default=[], choices=list(backend_names()),
                 help="fail, instead of skipping, when this backend cannot run here (repeatable)")
     g.addoption("--quant", default="all", help="quantization format under test, or 'all' (default)")
     g.addoption("--model", default=None, metavar="FILE|HF_DIR",
@@ -268,6 +268,23 @@ def model_path(request, quant_name) -> Path:
 
 
 @pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A format without a kernel on the backend under test fails its tests (never passes, never skips)
+    and is counted as unsupported, by backend and format, in the summary and the ladder JSON."""
+    outcome = yield
+    report = outcome.get_result()
+    if call.excinfo is not None and report.failed:
+        from kernels.base import FormatNotSupportedError
+
+        if call.excinfo.errisinstance(FormatNotSupportedError):
+            params = getattr(item, "callspec", None) and item.callspec.params
+            backend = (params or {}).get("backend_name", "?")
+            fmt = (params or {}).get("quant_name", "?")
+            item.user_properties.append(("nanoqwen_unsupported", {"backend": backend, "format": fmt}))  # the teardown report carries it
+            report.longrepr = f"UNSUPPORTED: {call.excinfo.value} (a format without a kernel fails; docs/ADDING_A_FORMAT.md)"
+
+
+@pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
     from ladder import compare
 
@@ -296,6 +313,7 @@ class _Summary:
         self.flatness: list[dict] = []
         self.graph_bounds: list[dict] = []  # the bounds each worker derived (the same, recorded once)
         self.failures: list[str] = []
+        self.unsupported = Counter()  # (backend, format) -> tests that failed for want of a kernel
 
     def add(self, report, rung: str):
         if report.when == "call" or (report.when != "call" and report.failed) or (report.when == "setup" and report.skipped):
@@ -317,6 +335,8 @@ class _Summary:
                 self.calls[(rung, value["backend"])].update(value["calls"])
             elif key == "nanoqwen_graph":
                 self.graph.append(value)
+            elif key == "nanoqwen_unsupported":
+                self.unsupported[(value["backend"], value["format"])] += 1
             elif key == "nanoqwen_graph_flatness":
                 self.flatness.append(value)
             elif key == "nanoqwen_graph_bounds" and value not in self.graph_bounds:
@@ -339,6 +359,7 @@ class _Summary:
             "graph_bounds": self.graph_bounds,
             "near_ties": [{**d, "backend": r["backend"]} for r in self.graph for d in r["near_ties"]],
             "failures": self.failures,
+            "unsupported": [{"backend": b, "format": f, "tests": n} for (b, f), n in sorted(self.unsupported.items())],
         }
 
     def graph_summaries(self):
@@ -393,8 +414,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         from ladder.tokens import GraphBounds
 
         tr.line(GraphBounds.from_record(b).describe())
+    for (b, f), n in sorted(s.unsupported.items()):
+        tr.line(f"UNSUPPORTED: backend {b} has no kernel for format {f}: {n} tests failed for it", red=True)
     for f in s.flatness:
-        tr.line(f"reference: {f['flat']} of {f['positions']} positions ({100 * f['fraction']:.2f}%) under the "
+        tr.line(f"reference{' [' + f['label'] + ']' if f.get('label') else ''}: {f['flat']} of {f['positions']} positions ({100 * f['fraction']:.2f}%) under the "
                 f"near-tie epsilon; smallest top-1/top-2 margin {f['min_margin']:.4g}")
     out = config.getoption("--ladder-json")
     if out:

@@ -106,6 +106,11 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _label(record: dict) -> str:
+    """" [int8_sym_channel]" for a record of one format's model, "" for an unlabelled one."""
+    return f" [{record['label']}]" if record.get("label") else ""
+
+
 def _graph_markdown(g: dict) -> list[str]:
     if not (g.get("backends") or g.get("bounds")):
         return []
@@ -117,7 +122,7 @@ def _graph_markdown(g: dict) -> list[str]:
                      f"{s['near_ties']} | {s['failures']} | {s['max_logit_diff']:.4g} | {s.get('allowed', float('nan')):.4g} | "
                      f"{s.get('eps', float('nan')):.4g} |")
     for b in g.get("bounds", []):
-        lines += ["", "Bounds, derived from the model's noise floor (docs/LADDER.md, Token comparison):", "",
+        lines += ["", f"Bounds{_label(b)}, derived from the model's noise floor (docs/LADDER.md, Token comparison):", "",
                   f"- floor {b['floor']:.4g} (99.9th percentile {b['floor_q999']:.4g}): the max abs logit difference "
                   f"of the plain fp32 forward with fp16 storage from the HF simulation, over {b['positions']} new "
                   f"positions of {len(b['prompts'])} prompts: {', '.join(b['prompts'])}",
@@ -128,7 +133,7 @@ def _graph_markdown(g: dict) -> list[str]:
                   f"- a model with more than {100 * b['max_near_tie_fraction']:g}% of its positions under the epsilon is "
                   f"refused as too flat to judge"]
     for f in g.get("flatness", []):
-        lines += ["", f"Reference flatness: {f['flat']} of {f['positions']} positions ({100 * f['fraction']:.2f}%) under "
+        lines += ["", f"Reference flatness{_label(f)}: {f['flat']} of {f['positions']} positions ({100 * f['fraction']:.2f}%) under "
                       f"the near-tie epsilon; smallest top-1/top-2 margin {f['min_margin']:.4g}"]
     ties = g.get("near_ties", [])
     if ties:

@@ -151,9 +151,10 @@ class GraphBounds:
     max_near_tie_fraction: float
     prompts: tuple[str, ...]  # the floor prompts' ids
     positions: int  # new positions the floor was measured over
+    label: str = ""  # which model (its format) these bounds belong to, when a run judges several
 
     def describe(self) -> str:
-        return (f"graph rung bounds: floor {self.floor:.4g} (99.9th percentile {self.floor_q999:.4g}) = max abs "
+        return (f"graph rung bounds{f' [{self.label}]' if self.label else ''}: floor {self.floor:.4g} (99.9th percentile {self.floor_q999:.4g}) = max abs "
                 f"logit difference of the plain fp32 forward with fp16 storage from the HF simulation over "
                 f"{self.positions} new positions of {len(self.prompts)} prompts ({', '.join(self.prompts)}); "
                 f"allowed logit difference {self.factor:g} x floor + {self.ulps:g} ulp x {self.ref_scale:.3g} = "

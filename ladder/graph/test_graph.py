@@ -132,7 +132,7 @@ def decode_modes(model):
 def test_greedy_tokens_match_the_hf_simulation(model, prompts, references, bounds, prompt_id, record_property):
     prompt = prompts[prompt_id]
     ref = references.get(prompt)
-    record_property("nanoqwen_graph_bounds", bounds.record())
+    record_property("nanoqwen_graph_bounds", {**bounds.record(), "label": model.quant})
     reports, logits_by_mode = [], {}
     for mode in decode_modes(model):
         if mode == "graph":
@@ -143,7 +143,7 @@ def test_greedy_tokens_match_the_hf_simulation(model, prompts, references, bound
             if mode == "graph":
                 model.enable_cuda_graph(False)
         logits_by_mode[mode] = logits
-        name = model.backend.name + ("" if mode == "eager" else "+graph")
+        name = model.backend.name + ("" if mode == "eager" else "+graph") + f"[{model.quant}]"
         result = compare_greedy(prompt.id, ref, logits, backend=name, bounds=bounds)
         record_property("nanoqwen_graph", result.record())
         reports.append(result)
@@ -158,12 +158,13 @@ def test_greedy_tokens_match_the_hf_simulation(model, prompts, references, bound
                         pytrace=False)
 
 
-def test_model_is_not_too_flat(prompts, references, bounds, record_property):
+def test_model_is_not_too_flat(prompts, references, bounds, quant_name, record_property):
     """More than MAX_NEAR_TIE_FRACTION of positions under the model's near-tie epsilon: the rung refuses it."""
     flat = flatness([references.get(p) for p in prompts.values()], bounds)
-    record_property("nanoqwen_graph_bounds", bounds.record())
+    record_property("nanoqwen_graph_bounds", {**bounds.record(), "label": quant_name})
     record_property("nanoqwen_graph_flatness", {"positions": flat.positions, "flat": flat.flat, "eps": flat.eps,
-                                                "fraction": flat.fraction, "min_margin": flat.min_margin})
+                                                "fraction": flat.fraction, "min_margin": flat.min_margin,
+                                                "label": quant_name})
     if flat.refused:
         pytest.fail(flat.describe(), pytrace=False)
 

@@ -12,6 +12,10 @@ test_fp8_hardware.py).
 from __future__ import annotations
 
 import importlib
+import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -24,6 +28,7 @@ from engine.formats.int4_asym_g128 import pack_scale_zero, unpack_scale_zero
 from engine.formats.int4_sym_g128 import unpack
 from fixtures.strategies import quantizable_weight, rng_for, seeds
 from ladder.compare import assert_close, assert_equal
+from ladder.nested import REPO, child_env, skip_inside_nested_run
 from reference.formats import REF_DEQUANT, ref_e4m3
 
 NAMES = sorted(FORMATS)
@@ -223,3 +228,49 @@ def test_fp8_scale_maps_each_rows_max_onto_448():
     t = get_format("fp8_e4m3_channel").quantize(w)
     assert_equal("scales", t["scales"], (np.abs(w).max(axis=1) / np.float32(FP8_MAX)).astype(np.float16), backend="numpy")
     assert (np.abs(decode_e4m3(t["qweight"])) <= FP8_MAX).all()
+
+
+# --- a backend without a format's kernel -------------------------------------------------------------
+
+_PARTIAL_BACKEND = '''
+"""A NumPy backend with the kernels of int4_sym_g128 only (a test plugin, loaded with -p)."""
+from kernels import register_backend
+from kernels.base import FormatNotSupportedError
+from kernels.numpy import NumpyBackend
+
+
+class Int4OnlyBackend(NumpyBackend):
+    name = "int4only"
+    formats = ("int4_sym_g128",)
+
+    def prepare_linear(self, fmt, tensors, out_features, in_features):
+        if fmt not in self.formats:
+            raise FormatNotSupportedError(f"backend 'int4only' has no kernel for format {fmt!r}")
+        return super().prepare_linear(fmt, tensors, out_features, in_features)
+
+
+register_backend("int4only", Int4OnlyBackend)
+'''
+
+
+@skip_inside_nested_run
+def test_a_format_without_a_kernel_fails_and_is_reported_as_unsupported(tmp_path):
+    (tmp_path / "int4only_backend.py").write_text(_PARTIAL_BACKEND)
+    env = child_env(None, pythonpath=f"{REPO}{os.pathsep}{tmp_path}")
+    results = {}
+    for quant in ("int4_sym_g128", "int8_sym_channel"):
+        out = tmp_path / f"{quant}.json"
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                            "-p", "int4only_backend", "--backend", "int4only", "--quant", quant, "--ladder-json", str(out),
+                            "ladder/unit/test_ops.py", "-k", "qkv_proj"], cwd=REPO, env=env, capture_output=True,
+                           text=True, timeout=600)
+        results[quant] = (r, json.loads(out.read_text()))
+    ok, ok_json = results["int4_sym_g128"]
+    assert ok.returncode == 0 and ok_json["unsupported"] == [], ok.stdout[-2000:]
+    bad, bad_json = results["int8_sym_channel"]
+    assert bad.returncode == 1, bad.stdout[-2000:]
+    assert bad_json["rungs"]["unit"].get("passed", 0) == 0 and bad_json["rungs"]["unit"]["failed"] > 0
+    [entry] = bad_json["unsupported"]
+    assert (entry["backend"], entry["format"]) == ("int4only", "int8_sym_channel")
+    assert entry["tests"] == bad_json["rungs"]["unit"]["failed"]
+    assert "UNSUPPORTED: backend int4only has no kernel for format int8_sym_channel" in bad.stdout
