@@ -47,6 +47,14 @@ class Format:
     def dequantize(self, tensors: dict[str, np.ndarray]) -> np.ndarray:
         raise NotImplementedError
 
+    # The dequantized weight is within `max_error_steps` x `step(tensors)` of the original, elementwise
+    # (round to nearest: half a step; ladder/unit/test_formats.py holds every format to it).
+    max_error_steps: float = 0.5
+
+    def step(self, tensors: dict[str, np.ndarray]) -> np.ndarray:
+        """float64 `[out, in]`: the distance between neighbouring values of each element's grid."""
+        raise NotImplementedError
+
     def swap_pair(self, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The tensors as a kernel that swaps elements 0 and 1 of every row would read them."""
         raise NotImplementedError

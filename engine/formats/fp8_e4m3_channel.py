@@ -93,6 +93,12 @@ class Fp8E4m3Channel(Format):
     def dequantize(self, tensors: dict[str, np.ndarray]) -> np.ndarray:
         return decode_e4m3(tensors["qweight"]) * np.asarray(tensors["scales"]).astype(np.float32)[:, None]
 
+    def step(self, tensors):
+        """The e4m3 grid step at each stored value, 2^(exponent - 3) (subnormals: 2^-9), times the row's scale."""
+        v = np.abs(decode_e4m3(tensors["qweight"]).astype(np.float64))
+        e = np.floor(np.log2(np.maximum(v, 2.0**-6)))
+        return np.exp2(e - 3) * np.asarray(tensors["scales"], dtype=np.float64)[:, None]
+
     def swap_pair(self, tensors):
         t = {k: np.array(v, copy=True) for k, v in tensors.items()}
         t["qweight"][:, [0, 1]] = t["qweight"][:, [1, 0]]

@@ -86,6 +86,12 @@ class Int4AsymG128(Format):
         w = (q.reshape(out_f, in_f // GROUP, GROUP) - zeros[:, :, None].astype(np.float32)) * scales.astype(np.float32)[:, :, None]
         return w.reshape(out_f, in_f)
 
+    # A range whose zero point was rounded shifts the grid's ends by up to half a step: one step at most.
+    max_error_steps = 1.0
+
+    def step(self, tensors):
+        return np.repeat(unpack_scale_zero(tensors["scale_zero"])[0].astype(np.float64), GROUP, axis=1)
+
     def swap_pair(self, tensors):
         """Elements 0 and 1 of every row trade places: the low and high halves of word 0's pair 0."""
         t = {k: np.array(v, copy=True) for k, v in tensors.items()}

@@ -45,6 +45,10 @@ class Int8SymChannel(Format):
         q = np.asarray(tensors["qweight"]).astype(np.float32)
         return q * np.asarray(tensors["scales"]).astype(np.float32)[:, None]
 
+    def step(self, tensors):
+        s = np.asarray(tensors["scales"], dtype=np.float64)[:, None]
+        return np.broadcast_to(s, np.shape(tensors["qweight"]))
+
     def swap_pair(self, tensors):
         t = {k: np.array(v, copy=True) for k, v in tensors.items()}
         t["qweight"][:, [0, 1]] = t["qweight"][:, [1, 0]]
