@@ -1,7 +1,8 @@
 """The measuring half of `nanoqwen bench` (bench/decode_bench.py runs the protocol and reports).
 
-Seeded random INT4 weights made on the GPU (a hash of the tensor's name and index, so a rerun builds
-the same model), the bytes a decode step must read, CUDA-event timing of a graph and the copy-rate
+Seeded random weights made on the GPU in any format the cuda backend has (a hash of the tensor's name
+and index, so a rerun builds the same model; each format's stored tensors filled with valid values at
+about unit gain), the bytes a decode step must read, CUDA-event timing of a graph and the copy-rate
 ceiling, the state of one decode step at a given context, the per-kernel table and the GEMV variant
 sweep. CuPy is imported inside the functions: the module imports on a machine without it.
 """
@@ -39,12 +40,12 @@ def _seed(name: str, seed: int) -> np.uint64:
 
 
 def fill_u32(arr, name, seed):
+    """Random bits into a C-contiguous array of any dtype whose size in bytes is a multiple of 4."""
     import cupy as cp
 
-    flat = arr.reshape(-1).view(cp.uint32) if arr.dtype.itemsize == 4 else None
-    if flat is None:
-        raise TypeError("fill_u32 wants a 4-byte dtype")
-    _hash_kernel()(_seed(name, seed), flat)
+    if arr.nbytes % 4 or not arr.flags.c_contiguous:
+        raise TypeError("fill_u32 wants a C-contiguous array of whole 4-byte words")
+    _hash_kernel()(_seed(name, seed), arr.reshape(-1).view(cp.uint8).view(cp.uint32))
 
 
 def fill_uniform_f16(arr, lo, hi, name, seed):
@@ -66,24 +67,104 @@ def fill_normal_f16(arr, std, name, seed):
     arr[...] = (x * np.float32(std)).astype(cp.float16).reshape(arr.shape)
 
 
-def build_model(config, seed: int, cache_tokens: int):
-    """The engine on the cuda backend with seeded random weights made on the GPU (no checkpoint)."""
+# ---- each format's stored tensors, random and valid --------------------------------------------------
+#
+# A filler writes a linear's stored tensors on the device: random codes, and scales drawn uniformly in
+# [0.5, 1.5] / (std of a code's value * sqrt(in)), so each linear has about unit gain (outputs of the
+# same size as its inputs) whatever the format.
+
+
+def _unit_scales(arr, code_std: float, in_features: int, name: str, seed: int):
+    fill_uniform_f16(arr, 0.5 / (code_std * np.sqrt(in_features)), 1.5 / (code_std * np.sqrt(in_features)), name, seed)
+
+
+def _fill_int4_sym_g128(q, name, seed):
+    fill_u32(q["qweight"], name + ".qweight", seed)  # every nibble 0..15 is valid: n - 8 uniform in -8..7
+    _unit_scales(q["scales"], 4.6, q.in_features, name + ".scales", seed)  # n - 8 has std ~4.6
+
+
+def _fill_int8_sym_channel(q, name, seed):
+    import cupy as cp
+
+    qw = q["qweight"]
+    fill_u32(qw, name + ".qweight", seed)
+    qw[...] = cp.maximum(qw, -127)  # the format never stores -128
+    _unit_scales(q["scales"], float(np.sqrt((255**2 - 1) / 12)), q.in_features, name + ".scales", seed)
+
+
+def _e4m3_code_std() -> float:
+    """RMS of the e4m3 values of random bytes whose NaN codes (0x7F, 0xFF) became 0x7E, 0xFE (+-448)."""
+    from engine.formats.fp8_e4m3_channel import decode_e4m3
+
+    codes = np.arange(256, dtype=np.uint8)
+    codes = np.where((codes & 0x7F) == 0x7F, codes ^ 1, codes).astype(np.uint8)
+    return float(np.sqrt(np.mean(decode_e4m3(codes).astype(np.float64) ** 2)))
+
+
+def _fill_fp8_e4m3_channel(q, name, seed):
+    import cupy as cp
+
+    qw = q["qweight"]
+    fill_u32(qw, name + ".qweight", seed)
+    qw[...] = cp.where((qw & 0x7F) == 0x7F, qw ^ 1, qw)  # no NaN codes: 0x7F -> 0x7E, 0xFF -> 0xFE
+    _unit_scales(q["scales"], _e4m3_code_std(), q.in_features, name + ".scales", seed)
+
+
+def _fill_int4_asym_g128(q, name, seed):
+    import cupy as cp
+
+    fill_u32(q["qweight"], name + ".qweight", seed)  # every nibble q = 0..15 is valid
+    sz = q["scale_zero"]
+    fill_u32(sz, name + ".zero", seed)  # z = the low 4 random bits of each word
+    scales = cp.empty(sz.shape, dtype=cp.float16)
+    # q - z with q, z uniform in 0..15: variance twice a nibble's
+    _unit_scales(scales, float(np.sqrt(2 * (16**2 - 1) / 12)), q.in_features, name + ".scales", seed)
+    zero = (sz & np.uint32(0xF)) | np.uint32(0x6400)  # the fp16 number 1024 + z
+    sz[...] = scales.view(cp.uint16).astype(cp.uint32) | (zero << np.uint32(16))
+
+
+FILLERS = {"int4_sym_g128": _fill_int4_sym_g128, "int8_sym_channel": _fill_int8_sym_channel,
+           "fp8_e4m3_channel": _fill_fp8_e4m3_channel, "int4_asym_g128": _fill_int4_asym_g128}
+
+
+def fill_linear(q, name: str, seed: int) -> None:
+    """Seeded random stored tensors of the quantized linear `q` (a QuantizedWeight on the cuda backend)."""
+    if q.format not in FILLERS:
+        raise ValueError(f"bench has no random filler for format {q.format!r}; known: {', '.join(sorted(FILLERS))}")
+    FILLERS[q.format](q, name, seed)
+
+
+def _placeholders(quant: str) -> dict[str, object]:
+    """Stored-tensor suffix -> the value every element of that tensor holds for an all-zero weight: valid
+    placeholders (int4_asym_g128's scale_zero words must hold 0x6400 | z), overwritten on the device."""
+    from engine.formats import get_format
+
+    fmt = get_format(quant)
+    zero = fmt.quantize(np.zeros((1, fmt.in_multiple), dtype=np.float32))
+    return {"." + k: np.asarray(v).reshape(-1)[0] for k, v in zero.items()}
+
+
+def build_model(config, seed: int, cache_tokens: int, quant: str = "int4_sym_g128"):
+    """The engine on the cuda backend with seeded random weights in format `quant` made on the GPU (no
+    checkpoint)."""
     from engine.model import Model
 
-    def get(name, dtype, shape):  # placeholders: zero pages, overwritten on the device below
+    if quant not in FILLERS:
+        raise ValueError(f"bench has no random filler for format {quant!r}; known: {', '.join(sorted(FILLERS))}")
+    fills = _placeholders(quant)
+
+    def get(name, dtype, shape):  # placeholders, overwritten on the device below
+        for suffix, value in fills.items():
+            if name.endswith(suffix) and value:
+                return np.full(shape, value, dtype=dtype)
         return np.zeros(shape, dtype=dtype)
 
-    # the format named, not the default: the fills below write its tensors (qweight, scales)
-    model = Model(config, "int4_sym_g128", "cuda", get, cache_tokens=cache_tokens)
+    model = Model(config, quant, "cuda", get, cache_tokens=cache_tokens)
     c = config
     for w in model.layers:
         p = f"layer{w.index}."
         for key in ("qkv", "o_proj", "gate_up", "down"):
-            q = getattr(w, key)
-            fill_u32(q["qweight"], p + key + ".qweight", seed)
-            # scales giving each linear about unit gain: nibble - 8 has std ~4.6
-            lo, hi = 0.5 / (4.6 * np.sqrt(q.in_features)), 1.5 / (4.6 * np.sqrt(q.in_features))
-            fill_uniform_f16(q["scales"], lo, hi, p + key + ".scales", seed)
+            fill_linear(getattr(w, key), p + key, seed)
         fill_normal_f16(w.qkv_bias, 0.1, p + "bias", seed)
         fill_uniform_f16(w.input_layernorm, 0.9, 1.1, p + "ln1", seed)
         fill_uniform_f16(w.post_attention_layernorm, 0.9, 1.1, p + "ln2", seed)
@@ -103,8 +184,8 @@ def op_bytes(model, ctx: int) -> dict[str, float]:
     H, I, V, d, nq, nkv = c.hidden_size, c.intermediate_size, c.vocab_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
     w = model.layers[0]
 
-    def qb(q):
-        return q["qweight"].nbytes + q["scales"].nbytes
+    def qb(q):  # every stored tensor of the format: codes, scales, zero points
+        return sum(a.nbytes for a in q.tensors.values())
 
     return {
         "embed": H * 2 + H * 4,
@@ -246,15 +327,16 @@ def _gemv_reference(model, op, residual):
     """(float64 reference, fp32 noise-floor run, TOL key) of layer 0's `op` on the decode workspace's
     current input, from reference/ops.py (`residual`: the host residual the op adds into)."""
     from reference import ops as ref_ops
+    from reference.formats import REF_DEQUANT
 
     be, ws, layer = model.backend, model._decode_ws, model.layers[0]
     x, w = {"qkv_proj": (ws.h, layer.qkv), "o_proj_residual": (ws.attn, layer.o_proj),
             "gate_up_silu": (ws.h, layer.gate_up), "down_residual": (ws.act, layer.down)}[op]
     x = be.to_numpy(x)
-    tensors = {k: be.to_numpy(w[k]) for k in ("qweight", "scales")}
+    tensors = {k: be.to_numpy(a) for k, a in w.tensors.items()}
     runs = []
     for dtype in (np.float64, np.float32):
-        wd = ref_ops.REF_DEQUANT[w.format](tensors, dtype)
+        wd = REF_DEQUANT[w.format](tensors, dtype)
         if op == "qkv_proj":
             y = ref_ops.ref_linear(x, wd, be.to_numpy(layer.qkv_bias), dtype=dtype)
         elif op == "gate_up_silu":
@@ -269,13 +351,14 @@ def _gemv_reference(model, op, residual):
 
 
 def sweep_gemv(model, seq, token):
-    """Time every GEMV variant per op (cold weights), check each against reference/ops.py with the
-    ladder's tolerance table (TOL), keep the fastest that passes."""
-    from kernels.cuda import GEMV_VARIANTS
+    """Time every GEMV variant of the model's format per op (cold weights), check each against
+    reference/ops.py with the ladder's tolerance table (TOL), keep the fastest that passes."""
     from ladder.compare import measure
 
     be, L = model.backend, model.config.num_hidden_layers
     ws = model._decode_ws
+    fmt = model.layers[0].qkv.format
+    config, variants = be.gemv_config[fmt], be.linears[fmt].variants
     set_decode_inputs(model, seq, token)
     calls = block_op_calls(model, seq)
     be.embed(ws.ids, model.embed_tokens, ws.residual)  # the residual a decode step starts from
@@ -285,18 +368,18 @@ def sweep_gemv(model, seq, token):
     outs = {"qkv_proj": ws.qkv, "o_proj_residual": ws.residual, "gate_up_silu": ws.act, "down_residual": ws.residual}
     result = {}
     for op, out in outs.items():
-        default = be.gemv_config[op]
+        default = config[op]
         ref, plain, key = _gemv_reference(model, op, be.to_numpy(saved))
         timings = {}
-        for var in GEMV_VARIANTS:
-            be.gemv_config[op] = var
+        for var in variants:
+            config[op] = var
             ws.residual[...] = saved
             calls[op](0)
             check = measure(be.to_numpy(out), ref, plain, key)
             ms = time_graph(lambda: [calls[op](i) for i in range(L)]) / L
             timings[var] = {"ms": ms, "max_abs_err": check["max_abs"], "bound": check["bound"], "ok": check["passed"]}
-        best = min((v for v in GEMV_VARIANTS if timings[v]["ok"]), key=lambda v: timings[v]["ms"], default=default)
-        be.gemv_config[op] = best
-        result[op] = {"default": default, "chosen": best, "variants": timings}
+        best = min((v for v in variants if timings[v]["ok"]), key=lambda v: timings[v]["ms"], default=default)
+        config[op] = best
+        result[op] = {"format": fmt, "default": default, "chosen": best, "variants": timings}
     ws.residual[...] = saved
     return result

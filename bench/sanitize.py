@@ -6,9 +6,10 @@ First two planted kernels must be flagged, or the script fails (a blind sanitize
   - `planted_oob`: each thread writes one element past the end of its array (memcheck);
   - `planted_divergent_barrier`: a __syncthreads inside a warp-divergent branch, and a shared-memory
     read of a value another warp wrote with no barrier between them (racecheck).
-Then every op of the backend at small shapes (GEMV and prefill paths, split-K attention with NaN-filled
-free pages, RoPE page writes, lm_head, argmax), through the unit rung's checks (ladder/unit/test_ops.py,
-against reference/), must run with no error and pass under both tools.
+Then every op of the backend at small shapes (the quantized linears' GEMV and prefill paths in every
+format the backend has a launcher for, each GEMV in its default variant; split-K attention with
+NaN-filled free pages, RoPE page writes, lm_head, argmax), through the unit rung's checks
+(ladder/unit/test_ops.py, against reference/), must run with no error and pass under both tools.
 
 CuPy's memory pool is turned off in the checked process (`cupy.cuda.set_allocator(None)`): with the pool
 on, an out-of-bounds write lands inside a larger pooled block and memcheck does not see it.
@@ -82,15 +83,17 @@ def child(what: str) -> None:
     from ladder.unit import test_ops as unit
 
     # The unit rung's own checks (against reference/ops.py with the ladder's tolerance table), at small shapes.
-    be, fmt = get_backend("cuda"), get_format("int4_sym_g128")
+    be = get_backend("cuda")
     try:
         unit.test_embed_copies_rows_exactly(backend=be)
         unit.test_rmsnorm_reads_rows_of_a_larger_buffer(be, 2, 1)
-        for T in (1, 3):  # the GEMV path, then the prefill path
-            unit.check_qkv_proj(be, fmt, T, 256, 72, seed=1)
-            unit.check_linear_residual(be, fmt, "o_proj_residual", T, 256, 128, seed=1)
-            unit.check_gate_up_silu(be, fmt, T, 128, 40, seed=1)
-            unit.check_linear_residual(be, fmt, "down_residual", T, 256, 136, seed=1)
+        for fmt in map(get_format, be.formats):  # every format with a launcher
+            print(f"SANITIZE-CHILD linears of {fmt.name}", flush=True)
+            for T in (1, 3):  # the GEMV path, then the prefill path
+                unit.check_qkv_proj(be, fmt, T, 256, 72, seed=1)
+                unit.check_linear_residual(be, fmt, "o_proj_residual", T, 256, 128, seed=1)
+                unit.check_gate_up_silu(be, fmt, T, 128, 40, seed=1)
+                unit.check_linear_residual(be, fmt, "down_residual", T, 256, 136, seed=1)
         unit.test_rope_kv_write_rotates_and_writes_only_its_slots(backend=be)
         for nq, nkv, d in ((2, 2, 64), (14, 2, 128)):
             for L, T in ((17, 1), (17, 17)):

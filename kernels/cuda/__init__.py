@@ -6,19 +6,25 @@ backend (kernels/numpy/, the executable spec) op for op, with the same precision
 residual, fp16 activations and KV pages, fp32 accumulation, fp32 logits, lowest index on an argmax tie,
 no atomics (results do not depend on timing).
 
-Paths: with T = 1 (decode) the quantized linears are INT4 GEMV kernels that unpack in registers, split
-over the input dimension inside each block (`gemv_config` picks threads and rows per block for each
-op). With T > 1 (prefill) a tensor-core kernel multiplies fp16 x by the unscaled nibbles (exact in
-fp16) one 128-group at a time with fp32 accumulation and applies the scales per group (no weight is
-rounded), then a fused epilogue kernel runs. Attention with T = 1 splits the used pages evenly over a
-fixed number of blocks (computed on the device from the current length) and merges the splits in a
-fixed order.
+Quantized linears: one launcher module per format, `kernels/cuda/<format>.py` next to its
+`<format>.cu` (catalog.py lists them from their source; each assigns `LINEAR`, a kernels/cuda/linear.py
+object). `formats` is the formats with a launcher; another format is `FormatNotSupportedError`. With
+T = 1 (decode) a linear is one of its format's GEMV kernels, which unpack in registers, split over the
+input dimension inside each block, with the op's epilogue fused; `gemv_config[format][op]` picks the
+variant (threads and rows per block, or a tensor-core tiling). With T > 1 (prefill) the launcher's
+`matmul_f32` leaves x W^T in fp32 (int4_sym_g128: a tensor-core kernel on the unscaled nibbles, scales
+per group; the others: their exact fp32 dequantization and one cuBLAS fp32 GEMM), then a shared
+epilogue kernel (epilogues.cu) runs. Attention with T = 1 splits the used pages evenly over a fixed
+number of blocks (computed on the device from the current length) and merges the splits in a fixed
+order.
 
 Every launch goes to CuPy's current stream, and nothing in a T = 1 op allocates memory once its scratch
 exists, so the decode step can be captured as a CUDA graph (engine/cuda_graph.py).
 """
 
 from __future__ import annotations
+
+import importlib
 
 import numpy as np
 
@@ -29,17 +35,11 @@ try:
 except ImportError as e:  # re-raised by get_backend as BackendUnavailableError
     raise ImportError(f"CuPy is not importable: {e}") from e
 
-from kernels.cuda import loader
+from kernels.cuda import catalog, loader
 
+# format name -> its launcher's LINEAR (prepare, gemv, matmul_f32, variants, default_config)
+LINEARS = {name: importlib.import_module(f"kernels.cuda.{name}").LINEAR for name in catalog.launchers()}
 PAGE = 16
-GROUP = 128
-# GEMV variant per op, each one of int4_gemv.cu's entry points int4_gemv_*_{variant}: "t{threads}_r{rows}"
-# (CUDA cores: threads per block, accumulator rows per block, gate/up counting gate and up rows) or
-# "tc_w{warps}_u{groups}" (tensor cores: 16-row tiles, warps per block, groups per load batch).
-GEMV_VARIANTS = ("t64_r4", "t128_r4", "t128_r8", "t256_r8", "tc_w4_u4", "tc_w8_u4", "tc_w8_u2")
-# the fastest per op in the bench sweep on an H200 (bench/NOTES.md, v2); `nanoqwen bench` re-picks on its machine
-GEMV_CONFIG = {"qkv_proj": "tc_w8_u4", "o_proj_residual": "t128_r4", "gate_up_silu": "tc_w4_u4", "down_residual": "t128_r4"}
-MMA_BM, MMA_BN = 64, 128  # must match int4_gemv.cu
 LM_WARPS, LM_ROWS = 4, 4  # must match embed_lmhead_argmax.cu
 ATT_THREADS, ATT_MAX_ITEMS = 128, 16  # must match paged_attention.cu
 SHARED_LIMIT = 48 * 1024  # static+dynamic shared memory without an opt-in attribute
@@ -71,7 +71,8 @@ def _device_name(device: int) -> str:
 
 class CudaBackend(Backend):
     name = "cuda"
-    formats = ("int4_sym_g128",)
+    formats = tuple(LINEARS)
+    linears = LINEARS
     supports_graphs = True  # every T = 1 op launches on the current stream and allocates nothing
     needs_device = True
 
@@ -107,8 +108,10 @@ class CudaBackend(Backend):
         # blocks, computed on the device from the current length (the split count is fixed per launch)
         self.pages_per_split = pages_per_split
         self.att_blocks = 2 * cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["multiProcessorCount"]
-        self.gemv_config = dict(GEMV_CONFIG)
-        self.gemv_max_tokens = 1  # T above this takes the dequantize + cuBLAS path
+        # GEMV variant per format and op (bench and the variant tests set entries; each launcher's
+        # DEFAULT_CONFIG to start)
+        self.gemv_config = {name: dict(lin.default_config) for name, lin in self.linears.items()}
+        self.gemv_max_tokens = 1  # T above this takes the launcher's matmul_f32 (prefill) path
         self._k = loader.kernels()
         self._scratch: dict[str, cp.ndarray] = {}
         self._retired: list[cp.ndarray] = []  # outgrown scratch stays alive: a captured graph may use it
@@ -143,68 +146,35 @@ class CudaBackend(Backend):
         return buf[:n].view(dtype).reshape(shape)
 
     def prepare_linear(self, fmt: str, tensors: dict, out_features: int, in_features: int) -> QuantizedWeight:
-        if fmt not in self.formats:
+        lin = self.linears.get(fmt)
+        if lin is None:
             raise FormatNotSupportedError(f"backend 'cuda' has no kernel for format {fmt!r}")
-        if in_features % GROUP:
-            raise ValueError(f"in_features {in_features} is not a multiple of the group size {GROUP}")
-        qweight = np.ascontiguousarray(tensors["qweight"], dtype=np.uint32)
-        scales = np.ascontiguousarray(tensors["scales"], dtype=np.float16)
-        if qweight.shape != (out_features, in_features // 8) or scales.shape != (out_features, in_features // GROUP):
-            raise ValueError(f"int4_sym_g128 tensors of shapes {qweight.shape}, {scales.shape} do not fit a "
-                             f"[{out_features}, {in_features}] weight")
-        return QuantizedWeight(fmt, out_features, in_features, {"qweight": cp.asarray(qweight), "scales": cp.asarray(scales)})
+        return QuantizedWeight(fmt, out_features, in_features, lin.prepare(self, tensors, out_features, in_features))
 
     # --- quantized linears --------------------------------------------------------------------
 
-    def _weight(self, w) -> tuple[cp.ndarray, cp.ndarray]:
-        if w.format not in self.formats:
-            raise FormatNotSupportedError(f"backend 'cuda' has no kernel for format {w.format!r}")
-        return w["qweight"], w["scales"]
-
-    def _gemv(self, op: str, kernel: str, x, w, rows: int, *args) -> None:
-        qweight, scales = self._weight(w)
-        if x.data.ptr % 16:
-            raise ValueError("x: the GEMV kernels read activations in 16-byte loads; x is not 16-byte aligned")
-        variant = self.gemv_config[op]
-        if variant not in GEMV_VARIANTS:
-            raise ValueError(f"gemv_config[{op!r}] = {variant!r} is not one of {GEMV_VARIANTS}")
-        silu = op == "gate_up_silu"
-        if variant.startswith("tc_"):
-            threads = 32 * int(variant.split("_")[1][1:])
-            per_block = 8 if silu else 16
-        else:
-            threads, r = (int(v[1:]) for v in variant.split("_"))
-            per_block = r // 2 if silu else r
-        T = x.shape[0]
-        grid = (-(-rows // per_block), T)
-        self._k[f"{kernel}_{variant}"](grid, (threads,), (x, qweight, scales, *args, _i32(rows), _i32(w.in_features)))
-
-    def _matmul_f32(self, x, w):
-        """fp32 [T, out] = x W^T on the tensor cores, exact products, fp32 sums (prefill path)."""
-        qweight, scales = self._weight(w)
-        if x.data.ptr % 16:
-            raise ValueError("x: the prefill kernel reads activations in 16-byte loads; x is not 16-byte aligned")
-        T, N, K = x.shape[0], w.out_features, w.in_features
-        y = self.scratch("prefill_y", (T, N), np.float32)
-        self._k["int4_mma_f32"]((-(-N // MMA_BN), -(-T // MMA_BM)), (256,), (x, qweight, scales, y, _i32(T), _i32(N), _i32(K)))
-        return y
+    def _linear(self, w):
+        try:
+            return self.linears[w.format]
+        except KeyError:
+            raise FormatNotSupportedError(f"backend 'cuda' has no kernel for format {w.format!r}") from None
 
     def qkv_proj(self, x, w, bias, out):
         _need(x, np.float16, "x"), _need(bias, np.float16, "bias"), _need(out, np.float16, "out")
-        T, rows = x.shape[0], w.out_features
+        lin, T, rows = self._linear(w), x.shape[0], w.out_features
         if T <= self.gemv_max_tokens:
-            self._gemv("qkv_proj", "int4_gemv_bias_f16", x, w, rows, bias, out)
+            lin.gemv(self, "qkv_proj", x, w, rows, bias, out)
         else:
-            y = self._matmul_f32(x, w)
+            y = lin.matmul_f32(self, x, w)
             self._k["epi_bias_f16"]((_blocks(T * rows),), (_EW_BLOCK,), (y, bias, out, _i32(T), _i32(rows)))
 
     def _linear_residual(self, op, x, w, residual):
         _need(x, np.float16, "x"), _need(residual, np.float32, "residual")
-        T, rows = x.shape[0], w.out_features
+        lin, T, rows = self._linear(w), x.shape[0], w.out_features
         if T <= self.gemv_max_tokens:
-            self._gemv(op, "int4_gemv_residual_f32", x, w, rows, residual)
+            lin.gemv(self, op, x, w, rows, residual)
         else:
-            y = self._matmul_f32(x, w)
+            y = lin.matmul_f32(self, x, w)
             self._k["epi_residual_f32"]((_blocks(T * rows),), (_EW_BLOCK,), (y, residual, _i32(T), _i32(rows)))
 
     def o_proj_residual(self, x, w, residual):
@@ -215,12 +185,26 @@ class CudaBackend(Backend):
 
     def gate_up_silu(self, x, w, out):
         _need(x, np.float16, "x"), _need(out, np.float16, "out")
-        T, inter = x.shape[0], w.out_features // 2
+        lin, T, inter = self._linear(w), x.shape[0], w.out_features // 2
         if T <= self.gemv_max_tokens:
-            self._gemv("gate_up_silu", "int4_gemv_silu_mul_f16", x, w, inter, out)
+            lin.gemv(self, "gate_up_silu", x, w, inter, out)
         else:
-            y = self._matmul_f32(x, w)
+            y = lin.matmul_f32(self, x, w)
             self._k["epi_silu_mul_f16"]((_blocks(T * inter),), (_EW_BLOCK,), (y, out, _i32(T), _i32(inter)))
+
+    # --- the GPU's own e4m3 conversions (the fp8 format's definition is held to them) ---------
+
+    def e4m3_encode(self, values) -> np.ndarray:
+        """float32 host values -> uint8 e4m3 codes by cvt.rn.satfinite.e4m3x2.f32 (element order)."""
+        from kernels.cuda.fp8_e4m3_channel import hardware_encode
+
+        return hardware_encode(values)
+
+    def e4m3_decode(self, codes) -> np.ndarray:
+        """uint8 host e4m3 codes -> float16 values by cvt.rn.f16x2.e4m3x2 (element order)."""
+        from kernels.cuda.fp8_e4m3_channel import hardware_decode
+
+        return hardware_decode(codes)
 
     # --- the other ops ------------------------------------------------------------------------
 

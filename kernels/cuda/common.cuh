@@ -7,6 +7,8 @@
 // hashes the source text it is given, sees every change made here.
 //
 // Mirrors kernels/numpy/int4.py (the unpack) and the fp32-accumulation contract of docs/ARCHITECTURE.md.
+// The loader inlines every `#include "x.cuh"` of this folder once per module, so a header that includes
+// this one (gemv_rows.cuh) and a module that includes both get one copy.
 #pragma once
 
 typedef unsigned int u32;
@@ -14,6 +16,11 @@ typedef unsigned short f16_bits;  // one IEEE fp16 value, bit pattern
 
 #define WARP 32
 #define FULL_MASK 0xffffffffu
+
+// The epilogue fused into a quantized linear's GEMV (one per op of docs/BACKEND.md that has a weight):
+// q/k/v + fp16 bias -> fp16, o/down + fp32 residual add, gate/up -> fp16 silu(gate) * up. The prefill
+// path's standalone versions are the epi_* kernels of epilogues.cu.
+enum { EPI_BIAS_F16 = 0, EPI_RESIDUAL_F32 = 1, EPI_SILU_MUL_F16 = 2 };
 
 __device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
 __device__ __forceinline__ int imax(int a, int b) { return a > b ? a : b; }

@@ -1,9 +1,11 @@
 """Compile every CUDA module of this folder once (cupy.RawModule, sm_90) and hand out its kernels.
 
-Each `.cu` file is one module; `common.cuh` is pasted in place of its `#include "common.cuh"` line, so
-CuPy's on-disk kernel cache (keyed by the source text) sees a change to the header too. Every
-`extern "C" __global__` function is fetched right away, which forces compilation at backend creation,
-before any CUDA graph capture (compiling inside a capture would fail).
+Each `.cu` file is one module (MODULES: every `.cu` here, found by name). A line `#include "x.cuh"`
+naming a header of this folder is replaced by the header's text, recursively and once per module (the
+header's `#pragma once` is honoured by the loader itself), so CuPy's on-disk kernel cache, keyed by the
+source text, sees a change to any header. Every `extern "C" __global__` function is fetched right
+away, which forces compilation at backend creation, before any CUDA graph capture (compiling inside a
+capture would fail). Entry-point names are global across modules: a name defined twice is an error.
 """
 
 from __future__ import annotations
@@ -12,25 +14,49 @@ import re
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-MODULES = ("int4_gemv", "rmsnorm", "rope", "paged_attention", "embed_lmhead_argmax")
+MODULES = tuple(sorted(p.stem for p in HERE.glob("*.cu")))
 OPTIONS = ("-std=c++17", "--gpu-architecture=sm_90")
-_INCLUDE = '#include "common.cuh"'
+_INCLUDE = re.compile(r'^[ \t]*#include[ \t]+"([\w.]+\.cuh)"[ \t]*$', re.M)
+_PRAGMA_ONCE = re.compile(r"^[ \t]*#pragma[ \t]+once[ \t]*$", re.M)
 _ENTRY = re.compile(r'extern "C" __global__ void(?:\s+__launch_bounds__\([^)]*\))?\s+(\w+)\s*\(')
 
 _CACHE: dict = {}  # kernel name -> cupy.RawKernel
 
 
+def _inline(text: str, where: str, seen: set[str]) -> str:
+    def paste(m: re.Match) -> str:
+        name = m.group(1)
+        path = HERE / name
+        if not path.is_file():
+            raise RuntimeError(f"{where} includes {name!r}, which is not a header of kernels/cuda")
+        if name in seen:
+            return f"// {name}: already included above"
+        seen.add(name)
+        body = _PRAGMA_ONCE.sub("", path.read_text())
+        return f"// ---- {name} (inlined by kernels/cuda/loader.py) ----\n" + _inline(body, name, seen)
+
+    return _INCLUDE.sub(paste, text)
+
+
 def source(module: str) -> str:
-    """The module's source as NVRTC gets it: common.cuh inlined."""
+    """The module's source as NVRTC gets it: every `#include "x.cuh"` of this folder inlined, once."""
     text = (HERE / f"{module}.cu").read_text()
-    common = (HERE / "common.cuh").read_text().replace("#pragma once", "")
-    if _INCLUDE not in text:
-        raise RuntimeError(f"{module}.cu does not include common.cuh")
-    return text.replace(_INCLUDE, common, 1)
+    if not _INCLUDE.search(text):
+        raise RuntimeError(f"{module}.cu includes no header of kernels/cuda (common.cuh at least)")
+    return _inline(text, f"{module}.cu", set())
 
 
 def entry_points(module: str) -> list[str]:
     return _ENTRY.findall((HERE / f"{module}.cu").read_text())
+
+
+def duplicate_entry_points() -> dict[str, list[str]]:
+    """Entry-point name -> the modules defining it, for every name defined by more than one module."""
+    where: dict[str, list[str]] = {}
+    for module in MODULES:
+        for name in entry_points(module):
+            where.setdefault(name, []).append(module)
+    return {name: mods for name, mods in where.items() if len(mods) > 1}
 
 
 def kernels() -> dict:
@@ -38,6 +64,9 @@ def kernels() -> dict:
     import cupy  # here, not at the top: the CPU-side compile test reads this file without CuPy
 
     if not _CACHE:
+        dup = duplicate_entry_points()
+        if dup:
+            raise RuntimeError(f"kernels/cuda: entry points defined in more than one module: {dup}")
         found = {}
         for module in MODULES:
             mod = cupy.RawModule(code=source(module), options=OPTIONS)

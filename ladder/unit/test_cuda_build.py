@@ -1,13 +1,17 @@
-"""CPU-side guards for the CUDA backend: every `.cu` compiles for sm_90, and the CPU path never imports CuPy.
+"""CPU-side guards for the CUDA backend: every `.cu` compiles for sm_90, every launcher's kernels exist,
+and the CPU path never imports CuPy.
 
-The compile test feeds nvcc exactly the text the loader gives NVRTC (common.cuh inlined by
+The compile test feeds nvcc exactly the text the loader gives NVRTC (the folder's headers inlined by
 kernels/cuda/loader.py), so a kernel that does not compile fails here, on a machine without a GPU,
-before it can land. It skips, with the reason, where nvcc is absent.
+before it can land. It skips, with the reason, where nvcc is absent. The launcher tests read each
+format's launcher (kernels/cuda/<format>.py) through kernels/cuda/catalog.py, from its source: every
+GEMV variant it ships names an entry point of its `.cu` for every op, and every format has a launcher.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import re
 import shutil
 import subprocess
 import sys
@@ -19,20 +23,52 @@ ROOT = Path(__file__).resolve().parents[2]
 CUDA_DIR = ROOT / "kernels" / "cuda"
 
 
-def _loader():
+def _by_path(name: str):
     # By file path: importing the package kernels.cuda would import CuPy, which a CPU machine lacks.
-    spec = importlib.util.spec_from_file_location("_nanoqwen_cuda_loader", CUDA_DIR / "loader.py")
+    spec = importlib.util.spec_from_file_location(f"_nanoqwen_cuda_{name}", CUDA_DIR / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
-LOADER = _loader()
+LOADER = _by_path("loader")
+CATALOG = _by_path("catalog")
 
 
 def test_every_cu_file_is_a_loaded_module():
     on_disk = sorted(p.stem for p in CUDA_DIR.glob("*.cu"))
     assert on_disk == sorted(LOADER.MODULES), "kernels/cuda/loader.py MODULES must list every .cu file"
+
+
+def test_entry_point_names_are_unique_across_modules():
+    assert not LOADER.duplicate_entry_points(), "the loader hands out kernels by name: one name, one module"
+
+
+def test_every_header_a_module_includes_is_inlined_once():
+    for module in LOADER.MODULES:
+        src = LOADER.source(module)
+        left = re.findall(r'^[ \t]*#include[ \t]+"[^"]+"', src, flags=re.M)
+        assert not left, f"{module}.cu: {left} left for NVRTC to find (only this folder's headers are inlined)"
+        for header in CUDA_DIR.glob("*.cuh"):
+            assert src.count(f"// ---- {header.name} (inlined") <= 1, f"{module}.cu: {header.name} inlined twice"
+
+
+def test_every_format_has_a_cuda_launcher():
+    from engine.formats import FORMAT_MODULES
+
+    assert sorted(CATALOG.launchers()) == sorted(FORMAT_MODULES), \
+        "every format of engine/formats needs kernels/cuda/<format>.py with LINEAR (and nothing else assigns LINEAR)"
+
+
+@pytest.mark.parametrize("fmt", sorted(CATALOG.launchers()))
+def test_every_shipped_gemv_variant_is_an_entry_point_of_its_format(fmt):
+    info = CATALOG.launchers()[fmt]
+    assert (CUDA_DIR / f"{fmt}.cu").is_file(), f"the launcher kernels/cuda/{fmt}.py has no {fmt}.cu"
+    names = set(LOADER.entry_points(fmt))
+    missing = [CATALOG.gemv_kernel_name(info["gemv_kernel"], op, v)
+               for v in info["variants"] for op in CATALOG.LINEAR_OPS
+               if CATALOG.gemv_kernel_name(info["gemv_kernel"], op, v) not in names]
+    assert not missing, f"{fmt}.cu lacks the GEMV entry points its launcher names: {missing}"
 
 
 @pytest.mark.parametrize("module", LOADER.MODULES)

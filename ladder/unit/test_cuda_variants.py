@@ -1,9 +1,13 @@
 """Unit rung: every shipped kernel variant and tile edge of the quantized linears, against reference/.
 
-- Every GEMV variant (`GEMV_VARIANTS` of kernels/cuda) for each of the four quantized ops, at T = 1
-  (the GEMV path), on row counts below, on and one past each variant's rows per block, and on inputs of
-  1, 2, 5 and 37 128-groups (one group, a partial load batch, several batches). A backend without a
-  `gemv_config` (one GEMV per op, nothing to pick) skips these cases with that reason.
+- Every GEMV variant of every format's CUDA launcher (`VARIANTS` of kernels/cuda/<format>.py, read
+  through kernels/cuda/catalog.py) for each of the four quantized ops, at T = 1 (the GEMV path), on
+  row counts below, on and one past each variant's rows per block, and on inputs of 1, 2, 5 and 37
+  128-groups (one group, a partial load batch, several batches); a format that reads rows in 16-byte
+  chunks of 16 weights also on 1, 3, 129 and 257 chunks (one chunk, fewer chunks than threads, one past
+  128 and 256 threads' worth). The cases are the pairs (format, variant) of the formats `--quant`
+  selects. A backend without a `gemv_config` (one GEMV per op, nothing to pick) skips them with that
+  reason.
 - The prefill path (T above `gemv_max_tokens`) at its tile edges: T and rows on, below and past the
   64 x 128 tensor-core tile.
 - The Qwen2.5-Coder-7B shapes of the four ops (decode and a 64-token prefill), the decode attention
@@ -15,34 +19,52 @@ The comparisons are test_ops.py's: `check_*` against `reference.ops` with TOL.
 
 from __future__ import annotations
 
-import ast
+import importlib.util
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import engine
+from engine.formats import get_format
 from fixtures.strategies import PagedCase
+from ladder.plugin import selected_formats
 from ladder.unit.test_ops import _check_attention, check_gate_up_silu, check_linear_residual, check_qkv_proj
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _gemv_variants() -> tuple[str, ...]:
-    """kernels/cuda's GEMV_VARIANTS, read from its source: the module imports CuPy, and the cases are
-    collected (and skip with a reason) where CuPy is missing."""
-    tree = ast.parse((ROOT / "kernels" / "cuda" / "__init__.py").read_text())
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "GEMV_VARIANTS" for t in node.targets):
-            return tuple(ast.literal_eval(node.value))
-    raise LookupError("kernels/cuda/__init__.py has no GEMV_VARIANTS")
+def _launchers() -> dict[str, dict]:
+    """kernels/cuda/catalog.py's launchers (format -> variants, default config), loaded by file path: the
+    package kernels.cuda imports CuPy, and the cases are collected (and skip with a reason) where CuPy
+    is missing."""
+    spec = importlib.util.spec_from_file_location("_nanoqwen_cuda_catalog", ROOT / "kernels" / "cuda" / "catalog.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.launchers()
 
 
-GEMV_VARIANTS = _gemv_variants()
+LAUNCHERS = _launchers()
 LINEAR_OPS = ("qkv_proj", "o_proj_residual", "gate_up_silu", "down_residual")
 GROUPS = (1, 2, 5, 37)  # input features in 128-groups: one, two, a partial batch, several batches
+CHUNKS = (1, 3, 129, 257)  # input features in 16-weight chunks, for formats read 16 weights at a time
 ROWS = (5, 8, 13, 16, 17, 72, 136)  # output rows: under, on and past 4, 8 and 16 rows per block
 SILU_ROWS = (3, 4, 5, 8, 9, 17, 40)  # gate/up blocks own half as many output rows
+
+
+def pytest_generate_tests(metafunc):
+    """`format_variant`: every (format, GEMV variant) its CUDA launcher ships, for the --quant formats."""
+    if "format_variant" in metafunc.fixturenames:
+        pairs = [(f, v) for f in selected_formats(metafunc.config) for v in LAUNCHERS.get(f, {}).get("variants", ())]
+        metafunc.parametrize("format_variant", pairs, ids=[f"{f}-{v}" for f, v in pairs])
+
+
+def _in_features(fmt) -> list[int]:
+    """The input sizes a GEMV variant is checked on: group edges, and chunk edges for a 16-weight load."""
+    sizes = {128 * g for g in GROUPS}
+    if fmt.in_multiple < 128:
+        sizes |= {fmt.in_multiple * c for c in CHUNKS}
+    return sorted(sizes)
 
 
 def _check_linear(backend, fmt, op, T, in_f, rows, seed, case=""):
@@ -55,21 +77,23 @@ def _check_linear(backend, fmt, op, T, in_f, rows, seed, case=""):
         check_linear_residual(backend, fmt, op, T, in_f, rows, seed, case)
 
 
-@pytest.mark.parametrize("variant", GEMV_VARIANTS)
 @pytest.mark.parametrize("op", LINEAR_OPS)
-def test_gemv_variant_matches_reference_at_every_tile_edge(backend, quant_format, op, variant):
+def test_gemv_variant_matches_reference_at_every_tile_edge(backend, format_variant, op):
+    name, variant = format_variant
     if not hasattr(backend, "gemv_config"):
         pytest.skip("the backend has no gemv_config: GEMV variants belong to a backend that picks one per op")
+    assert name in backend.gemv_config, f"backend {backend.name} has no GEMV config for format {name}"
     assert backend.gemv_max_tokens >= 1, "T = 1 must take the GEMV path"
-    saved = backend.gemv_config[op]
-    backend.gemv_config[op] = variant
+    fmt = get_format(name)
+    config = backend.gemv_config[name]
+    saved = config[op]
+    config[op] = variant
     try:
-        for groups in GROUPS:
+        for in_f in _in_features(fmt):
             for rows in SILU_ROWS if op == "gate_up_silu" else ROWS:
-                _check_linear(backend, quant_format, op, 1, 128 * groups, rows, seed=groups * 1000 + rows,
-                              case=f",variant={variant}")
+                _check_linear(backend, fmt, op, 1, in_f, rows, seed=in_f * 1000 + rows, case=f",variant={variant}")
     finally:
-        backend.gemv_config[op] = saved
+        config[op] = saved
 
 
 @pytest.mark.parametrize("op", LINEAR_OPS)
@@ -78,9 +102,9 @@ def test_prefill_path_matches_reference_at_every_tile_edge(backend, quant_format
     for T in (2, 63, 64, 65, 130):
         if T <= gemv_max:
             continue
-        for groups in (1, 3):
+        for in_f in (128, 384) + ((3 * quant_format.in_multiple,) if quant_format.in_multiple < 128 else ()):
             for rows in ((7, 64, 65, 129) if op == "gate_up_silu" else (8, 127, 128, 129, 257)):
-                _check_linear(backend, quant_format, op, T, 128 * groups, rows, seed=T * 1000 + rows, case=",prefill")
+                _check_linear(backend, quant_format, op, T, in_f, rows, seed=T * 1000 + rows, case=",prefill")
 
 
 @pytest.mark.parametrize("T", (1, 64))

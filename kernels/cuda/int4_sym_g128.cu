@@ -1,10 +1,13 @@
-// int4_gemv.cu: the INT4 `int4_sym_g128` linear layers, with their epilogues fused: q/k/v + bias,
+// int4_sym_g128.cu: the INT4 `int4_sym_g128` linear layers, with their epilogues fused: q/k/v + bias,
 // gate/up + SiLU * up, o and down + the fp32 residual add.
 //   * decode (T = 1, or a few rows of x through blockIdx.y): GEMV kernels that unpack in registers;
 //   * prefill (T > 1): a tensor-core kernel (mma.sync m16n8k16, fp16 x fp16 -> fp32) that multiplies x
 //     by the UNSCALED nibble values (n - 8, exact in fp16) one 128-group at a time and applies the fp16
 //     scale to each group's fp32 partial in the epilogue, so no weight is ever rounded; its fp32 output
-//     goes through the small epilogue kernels at the bottom of this file.
+//     goes through the shared epilogue kernels of epilogues.cu.
+//
+// The launcher is kernels/cuda/int4_sym_g128.py (LINEAR): it picks a GEMV variant per op and names the
+// entry points int4_gemv_<epilogue>_<variant>.
 //
 // Mirrors kernels/numpy/int4.py (unpack, fp32 accumulation) and the ops of kernels/numpy/__init__.py.
 //
@@ -17,8 +20,6 @@
 // multiplies the chunk's fp32 partial sum once. Partials are reduced with a fixed xor-shuffle tree per
 // warp, then across warps in warp order through shared memory: no atomics, deterministic results.
 #include "common.cuh"
-
-enum { EPI_BIAS_F16 = 0, EPI_RESIDUAL_F32 = 1, EPI_SILU_MUL_F16 = 2 };
 
 // x: fp16 [T, in]; qweight: uint32 [out_total, in/8]; scales: fp16 [out_total, in/128].
 // EPI_BIAS_F16:     out16[t, r] = acc(r) + bias[r]                         (out_total = rows)
@@ -98,7 +99,7 @@ __device__ __forceinline__ void int4_gemv(const f16_bits* __restrict__ x, const 
 
 // Entry points: int4_gemv_<epilogue>_t<THREADS>_r<R> (and _tc_w<NW>_u<U> below), written out (not a
 // macro) so that the loader and the compile test see every name. The launcher picks one per op
-// (kernels/cuda/__init__.py GEMV_CONFIG).
+// (kernels/cuda/int4_sym_g128.py DEFAULT_CONFIG, backend.gemv_config).
 
 extern "C" __global__ void __launch_bounds__(64) int4_gemv_bias_f16_t64_r4(
     const f16_bits* x, const u32* qweight, const f16_bits* scales, const f16_bits* bias, f16_bits* out, int rows, int in_f) {
@@ -442,28 +443,4 @@ int4_mma_f32(const f16_bits* __restrict__ x, const u32* __restrict__ qweight, co
                 if (col + 1 < N) y[(size_t)row * N + col + 1] = tot[i][j][2 * h + 1];
             }
         }
-}
-
-// out16[t, r] = y[t, r] + bias[r]  (y fp32 [T, rows])
-extern "C" __global__ void epi_bias_f16(const float* y, const f16_bits* bias, f16_bits* out, int T, int rows) {
-    const size_t n = (size_t)T * rows;
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
-        out[i] = f2h(y[i] + h2f(bias[i % rows]));
-}
-
-// resid[i] += y[i]
-extern "C" __global__ void epi_residual_f32(const float* y, float* resid, int T, int rows) {
-    const size_t n = (size_t)T * rows;
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
-        resid[i] += y[i];
-}
-
-// out16[t, r] = silu(y[t, r]) * y[t, rows + r]  (y fp32 [T, 2 rows], rows [gate; up])
-extern "C" __global__ void epi_silu_mul_f16(const float* y, f16_bits* out, int T, int rows) {
-    const size_t n = (size_t)T * rows;
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        const size_t t = i / rows, r = i % rows;
-        const float g = y[t * 2 * rows + r], u = y[t * 2 * rows + rows + r];
-        out[i] = f2h(g / (1.0f + expf(-g)) * u);
-    }
 }

@@ -1,0 +1,67 @@
+"""The quantized-linear launchers of this folder, read from their source text (no CuPy needed).
+
+A launcher is a module `kernels/cuda/<format>.py` (named after its format, next to its `<format>.cu`)
+that assigns `LINEAR` (a kernels/cuda/linear.py object: prepare, gemv, matmul_f32) and declares, as
+plain literals:
+
+- `VARIANTS`: the GEMV variants it ships, e.g. "t128_r4" (CUDA cores: threads per block, accumulator
+  rows per block) or "tc_w8_u4" (tensor cores: warps per block, groups per load batch);
+- `DEFAULT_CONFIG`: op -> variant, for each of the four quantized ops;
+- `GEMV_KERNEL`: the prefix of its GEMV entry points, `<GEMV_KERNEL>_<epilogue>_<variant>`.
+
+The backend (kernels/cuda/__init__.py) imports every launcher this lists; the CPU-side tests
+(ladder/unit/test_cuda_build.py, test_cuda_variants.py) read the same literals from here, by file
+path, on machines without CuPy.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+LINEAR_OPS = ("qkv_proj", "o_proj_residual", "gate_up_silu", "down_residual")
+# The epilogue fused into each op's GEMV, by its entry-point name part (common.cuh's EPI_*).
+EPILOGUE = {"qkv_proj": "bias_f16", "o_proj_residual": "residual_f32", "gate_up_silu": "silu_mul_f16",
+            "down_residual": "residual_f32"}
+_LITERALS = ("VARIANTS", "DEFAULT_CONFIG", "GEMV_KERNEL")
+
+
+def _read(path: Path) -> dict | None:
+    """The launcher literals of `path`, or None when it assigns no `LINEAR` (not a launcher)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names: dict[str, ast.expr] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    names[target.id] = node.value
+    if "LINEAR" not in names:
+        return None
+    found = {}
+    for key in _LITERALS:
+        if key not in names:
+            raise LookupError(f"kernels/cuda/{path.name} assigns LINEAR but no {key} literal")
+        found[key.lower()] = ast.literal_eval(names[key])
+    variants, config = tuple(found["variants"]), dict(found["default_config"])
+    if set(config) != set(LINEAR_OPS) or not set(config.values()) <= set(variants):
+        raise LookupError(f"kernels/cuda/{path.name}: DEFAULT_CONFIG must pick one of VARIANTS {variants} "
+                          f"for each of {LINEAR_OPS}, got {config}")
+    return {"variants": variants, "default_config": config, "gemv_kernel": str(found["gemv_kernel"])}
+
+
+def launchers() -> dict[str, dict]:
+    """format name -> {"variants", "default_config", "gemv_kernel"} for every launcher module here."""
+    found = {}
+    for path in sorted(HERE.glob("*.py")):
+        if path.stem.startswith("_"):
+            continue
+        info = _read(path)
+        if info is not None:
+            found[path.stem] = info
+    return found
+
+
+def gemv_kernel_name(prefix: str, op: str, variant: str) -> str:
+    """The entry point of `op`'s GEMV in `variant`: <prefix>_<epilogue>_<variant>."""
+    return f"{prefix}_{EPILOGUE[op]}_{variant}"

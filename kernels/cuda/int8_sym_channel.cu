@@ -1,0 +1,78 @@
+// int8_sym_channel.cu: the INT8 `int8_sym_channel` linear layers (W8A16: int8 weights, one fp16 scale
+// per output row, docs/FORMAT.md), with their epilogues fused: q/k/v + bias, gate/up + SiLU * up, o and
+// down + the fp32 residual add.
+//   * decode (T = 1, or a few rows of x through blockIdx.y): the shared GEMV body of gemv_rows.cuh with
+//     the int8 decoder: a 16-byte load is 16 consecutive weights of a row, each turned into its exact
+//     fp16 value by the prmt / XOR / half2-subtract trick (int8_pairs), widened to fp32, multiplied by
+//     fp32 x; the row's fp32 total is multiplied once by the row's fp16 scale;
+//   * prefill (T > 1): int8_sym_channel_dequant_f32 writes the exact fp32 weight q * s (8 x 11
+//     significant bits fit fp32's 24) into a scratch buffer, cuBLAS multiplies in fp32 (the launcher,
+//     kernels/cuda/int8_sym_channel.py), and the shared epilogues of epilogues.cu finish.
+//
+// Layout the loads assume: qweight int8 [out, in] row-major with in % 16 == 0 (the format's
+// in_multiple), so every row starts 16-byte aligned and holds in / 16 whole chunks; x fp16 [T, in],
+// 16-byte aligned (its rows then are too: 2 in bytes, a multiple of 32).
+//
+// Entry points: int8_sym_channel_gemv_<epilogue>_t<THREADS>_r<R>, written out (not a macro) so that the
+// loader and the compile test see every name; the launcher picks one per op (backend.gemv_config).
+#include "gemv_rows.cuh"
+
+extern "C" __global__ void __launch_bounds__(64) int8_sym_channel_gemv_bias_f16_t64_r4(
+    const f16_bits* x, const signed char* qweight, const f16_bits* scales, const f16_bits* bias, f16_bits* out, int rows, int in_f) {
+    gemv_rows<DecodeInt8SymChannel, EPI_BIAS_F16, 64, 4>(x, reinterpret_cast<const uint4*>(qweight), scales, bias, out, nullptr, rows, in_f);
+}
+extern "C" __global__ void __launch_bounds__(64) int8_sym_channel_gemv_residual_f32_t64_r4(
+    const f16_bits* x, const signed char* qweight, const f16_bits* scales, float* resid, int rows, int in_f) {
+    gemv_rows<DecodeInt8SymChannel, EPI_RESIDUAL_F32, 64, 4>(x, reinterpret_cast<const uint4*>(qweight), scales, nullptr, nullptr, resid, rows, in_f);
+}
+extern "C" __global__ void __launch_bounds__(64) int8_sym_channel_gemv_silu_mul_f16_t64_r4(
+    const f16_bits* x, const signed char* qweight, const f16_bits* scales, f16_bits* out, int rows, int in_f) {
+    gemv_rows<DecodeInt8SymChannel, EPI_SILU_MUL_F16, 64, 4>(x, reinterpret_cast<const uint4*>(qweight), scales, nullptr, out, nullptr, rows, in_f);
+}
+extern "C" __global__ void __launch_bounds__(128) int8_sym_channel_gemv_bias_f16_t128_r4(
+    const f16_bits* x, const signed char* qweight, const f16_bits* scales, const f16_bits* bias, f16_bits* out, int rows, int in_f) {
+    gemv_rows<DecodeInt8SymChannel, EPI_BIAS_F16, 128, 4>(x, reinterpret_cast<const uint4*>(qweight), scales, bias, out, nullptr, rows, in_f);
+}
+extern "C" __global__ void __launch_bounds__(128) int8_sym_channel_gemv_residual_f32_t128_r4(
+    const f16_bits* x, const signed char* qweight, const f16_bits* scales, float* resid, int rows, int in_f) {
+    gemv_rows<DecodeInt8SymChannel, EPI_RESIDUAL_F32, 128, 4>(x, reinterpret_cast<const uint4*>(qweight), scales, nullptr, nullptr, resid, rows, in_f);
+}
+extern "C" __global__ void __launch_bounds__(128) int8_sym_channel_gemv_silu_mul_f16_t128_r4(
+    const f16_bits* x, const signed char* qweight, const f16_bits* scales, f16_bits* out, int rows, int in_f) {
+    gemv_rows<DecodeInt8SymChannel, EPI_SILU_MUL_F16, 128, 4>(x, reinterpret_cast<const uint4*>(qweight), scales, nullptr, out, nullptr, rows, in_f);
+}
+extern "C" __global__ void __launch_bounds__(128) int8_sym_channel_gemv_bias_f16_t128_r8(
+    const f16_bits* x, const signed char* qweight, const f16_bits* scales, const f16_bits* bias, f16_bits* out, int rows, int in_f) {
+    gemv_rows<DecodeInt8SymChannel, EPI_BIAS_F16, 128, 8>(x, reinterpret_cast<const uint4*>(qweight), scales, bias, out, nullptr, rows, in_f);
+}
+extern "C" __global__ void __launch_bounds__(128) int8_sym_channel_gemv_residual_f32_t128_r8(
+    const f16_bits* x, const signed char* qweight, const f16_bits* scales, float* resid, int rows, int in_f) {
+    gemv_rows<DecodeInt8SymChannel, EPI_RESIDUAL_F32, 128, 8>(x, reinterpret_cast<const uint4*>(qweight), scales, nullptr, nullptr, resid, rows, in_f);
+}
+extern "C" __global__ void __launch_bounds__(128) int8_sym_channel_gemv_silu_mul_f16_t128_r8(
+    const f16_bits* x, const signed char* qweight, const f16_bits* scales, f16_bits* out, int rows, int in_f) {
+    gemv_rows<DecodeInt8SymChannel, EPI_SILU_MUL_F16, 128, 8>(x, reinterpret_cast<const uint4*>(qweight), scales, nullptr, out, nullptr, rows, in_f);
+}
+extern "C" __global__ void __launch_bounds__(256) int8_sym_channel_gemv_bias_f16_t256_r8(
+    const f16_bits* x, const signed char* qweight, const f16_bits* scales, const f16_bits* bias, f16_bits* out, int rows, int in_f) {
+    gemv_rows<DecodeInt8SymChannel, EPI_BIAS_F16, 256, 8>(x, reinterpret_cast<const uint4*>(qweight), scales, bias, out, nullptr, rows, in_f);
+}
+extern "C" __global__ void __launch_bounds__(256) int8_sym_channel_gemv_residual_f32_t256_r8(
+    const f16_bits* x, const signed char* qweight, const f16_bits* scales, float* resid, int rows, int in_f) {
+    gemv_rows<DecodeInt8SymChannel, EPI_RESIDUAL_F32, 256, 8>(x, reinterpret_cast<const uint4*>(qweight), scales, nullptr, nullptr, resid, rows, in_f);
+}
+extern "C" __global__ void __launch_bounds__(256) int8_sym_channel_gemv_silu_mul_f16_t256_r8(
+    const f16_bits* x, const signed char* qweight, const f16_bits* scales, f16_bits* out, int rows, int in_f) {
+    gemv_rows<DecodeInt8SymChannel, EPI_SILU_MUL_F16, 256, 8>(x, reinterpret_cast<const uint4*>(qweight), scales, nullptr, out, nullptr, rows, in_f);
+}
+
+// ---- prefill path: the exact fp32 weight ------------------------------------------------------------
+
+// w[r, k] = q[r, k] * s[r]  (fp32 [rows, in_f]; exact). Grid-stride over the elements: any grid covers
+// any size; the product of an integer |q| <= 128 and an fp16 scale has at most 19 significant bits.
+extern "C" __global__ void int8_sym_channel_dequant_f32(const signed char* qweight, const f16_bits* scales, float* w,
+                                                        int rows, int in_f) {
+    const size_t n = (size_t)rows * in_f;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        w[i] = (float)qweight[i] * h2f(scales[i / in_f]);
+}

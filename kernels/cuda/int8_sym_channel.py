@@ -1,0 +1,29 @@
+"""The `int8_sym_channel` linears on the CUDA backend: the launcher of int8_sym_channel.cu.
+
+qweight int8 [out, in] row-major, scales fp16 [out] (docs/FORMAT.md), read as stored; in % 16 == 0
+(a 16-byte load is 16 weights of a row). Decode: int8_sym_channel_gemv_<epilogue>_t<threads>_r<R>
+(gemv_rows.cuh's CUDA-core body). Prefill: int8_sym_channel_dequant_f32 into an fp32 scratch weight
+(q * s is exact in fp32), then one cuBLAS fp32 GEMM (linear.DequantLinear).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kernels.cuda.linear import DequantLinear
+
+LOAD = 16  # weights per 16-byte load
+GEMV_KERNEL = "int8_sym_channel_gemv"
+VARIANTS = ("t64_r4", "t128_r4", "t128_r8", "t256_r8")
+# picked before any H200 measurement (bench/NOTES.md): `python -m bench.format_gemv --all-variants` re-picks
+DEFAULT_CONFIG = {"qkv_proj": "t128_r8", "o_proj_residual": "t128_r4", "gate_up_silu": "t128_r8",
+                  "down_residual": "t128_r4"}
+
+
+def specs(out_features: int, in_features: int) -> dict:
+    return {"qweight": (np.int8, (out_features, in_features)), "scales": (np.float16, (out_features,))}
+
+
+LINEAR = DequantLinear("int8_sym_channel", specs=specs, in_multiple=LOAD, gemv_kernel=GEMV_KERNEL, variants=VARIANTS,
+                       default_config=DEFAULT_CONFIG, dequant_kernel="int8_sym_channel_dequant_f32",
+                       dequant_items=lambda out_f, in_f: out_f * in_f)

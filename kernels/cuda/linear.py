@@ -1,0 +1,143 @@
+"""The launcher side of a quantized format's linears on the CUDA backend, shared by every format.
+
+Each format's module here (`kernels/cuda/<format>.py`, listed by catalog.py) builds its `LINEAR` from
+these classes; CudaBackend calls it for the four quantized ops:
+
+- `prepare(backend, tensors, out, in)` checks the file's host tensors against the layout the kernels
+  read (names, dtypes, shapes, `in` a multiple of the format's load width or group) and copies them to
+  the GPU; a mismatch is a ValueError naming the tensor;
+- `gemv(backend, op, x, w, rows, *epilogue_args)`, the decode path (T <= backend.gemv_max_tokens):
+  the format's GEMV entry point for `op` in the variant `backend.gemv_config[format][op]`, epilogue
+  fused (qkv_proj: bias, out; o_proj_residual / down_residual: residual; gate_up_silu: out, with `rows`
+  = I and w's rows [gate; up]);
+- `matmul_f32(backend, x, w)`, the prefill path: fp32 [T, out] = x W^T; the backend then runs the
+  shared epilogue kernels (epilogues.cu). `DequantLinear` does it with the format's dequantize kernel
+  into an fp32 scratch weight (every shipped format's values are exact in fp32) and one cuBLAS fp32
+  GEMM; int4_sym_g128 has its own tensor-core kernel.
+
+Nothing here allocates on the T = 1 path (graph capture); scratch comes from `backend.scratch`, never
+freed while the backend lives.
+"""
+
+from __future__ import annotations
+
+import os
+
+import cupy as cp
+import numpy as np
+
+from kernels.cuda import catalog, loader
+
+_EW_BLOCK = 256
+
+
+def i32(v) -> np.int32:
+    return np.int32(v)
+
+
+def blocks(n: int, block: int = _EW_BLOCK, cap: int = 65535) -> int:
+    """Blocks for a grid-stride loop over n elements."""
+    return max(1, min(cap, -(-n // block)))
+
+
+def variant_geometry(variant: str, silu: bool) -> tuple[int, int]:
+    """(threads per block, output rows per block) of a GEMV variant: "t<threads>_r<R>" owns R accumulator
+    rows (gate/up: R/2 gate and R/2 up rows); "tc_w<warps>_u<U>" owns a 16-row tensor-core tile (gate/up:
+    8 gate and 8 up rows)."""
+    if variant.startswith("tc_"):
+        return 32 * int(variant.split("_")[1][1:]), 8 if silu else 16
+    threads, r = (int(v[1:]) for v in variant.split("_"))
+    return threads, r // 2 if silu else r
+
+
+class GemvLinear:
+    """A format whose decode path is one GEMV entry point per (op, variant).
+
+    `specs(out, in)` -> {tensor name: (dtype, shape)}: the layout the kernels read, in the order the
+    kernels take the tensors after x. `in_multiple`: inputs must be a multiple of it (16-byte loads of
+    a row, or a scale group).
+    """
+
+    def __init__(self, name: str, *, specs, in_multiple: int, gemv_kernel: str, variants: tuple[str, ...],
+                 default_config: dict[str, str]):
+        self.name = name
+        self.specs = specs
+        self.in_multiple = in_multiple
+        self.gemv_kernel = gemv_kernel
+        self.variants = tuple(variants)
+        self.default_config = dict(default_config)
+
+    # --- weights --------------------------------------------------------------------------------
+
+    def prepare(self, backend, tensors: dict, out_features: int, in_features: int) -> dict:
+        if in_features % self.in_multiple:
+            raise ValueError(f"{self.name}: {in_features} inputs are not a multiple of {self.in_multiple}, "
+                             f"which its CUDA kernels read in whole chunks")
+        host = {}
+        for key, (dtype, shape) in self.specs(out_features, in_features).items():
+            if key not in tensors:
+                raise ValueError(f"{self.name}: tensor {key!r} is missing (got {sorted(tensors)})")
+            a = np.asarray(tensors[key])
+            if a.dtype != np.dtype(dtype):
+                raise ValueError(f"{self.name}: tensor {key!r} is {a.dtype}, the kernels read {np.dtype(dtype)}")
+            if a.shape != tuple(shape):
+                raise ValueError(f"{self.name}: tensor {key!r} has shape {a.shape}, a [{out_features}, {in_features}] "
+                                 f"weight needs {tuple(shape)}")
+            host[key] = np.ascontiguousarray(a)
+        self.check_values(host)
+        return {k: cp.asarray(v) for k, v in host.items()}
+
+    def check_values(self, host: dict[str, np.ndarray]) -> None:
+        """Refuse stored values the kernels would misread (ValueError); most formats have none."""
+
+    def weight_args(self, w) -> tuple:
+        return tuple(w[k] for k in self.specs(w.out_features, w.in_features))
+
+    # --- decode ---------------------------------------------------------------------------------
+
+    def gemv(self, backend, op: str, x, w, rows: int, *epilogue_args) -> None:
+        if x.data.ptr % 16:
+            raise ValueError("x: the GEMV kernels read activations in 16-byte loads; x is not 16-byte aligned")
+        variant = backend.gemv_config[self.name][op]
+        if variant not in self.variants:
+            raise ValueError(f"gemv_config[{self.name!r}][{op!r}] = {variant!r} is not one of {self.variants}")
+        threads, per_block = variant_geometry(variant, op == "gate_up_silu")
+        grid = (-(-rows // per_block), x.shape[0])
+        kernel = loader.kernels()[catalog.gemv_kernel_name(self.gemv_kernel, op, variant)]
+        kernel(grid, (threads,), (x, *self.weight_args(w), *epilogue_args, i32(rows), i32(w.in_features)))
+
+    # --- prefill --------------------------------------------------------------------------------
+
+    def matmul_f32(self, backend, x, w):
+        raise NotImplementedError
+
+
+class DequantLinear(GemvLinear):
+    """A GemvLinear whose prefill path dequantizes into fp32 and multiplies on cuBLAS in fp32.
+
+    `dequant_kernel(weight tensors..., float* w, int rows, int in_f)` writes the exact fp32 weight
+    [out, in] (grid-stride; `dequant_items(out, in)` is how many items its loop covers). The GEMM is
+    cupy.dot(x32, W32.T) into scratch: both operands are exact copies (x fp16 -> fp32, W exact), the
+    products and sums are fp32, and cuBLAS gives the same bits on every run on one GPU model (no
+    atomics in a plain GEMM). TF32 would round the weights to 10 mantissa bits: CuPy uses it only
+    when CUPY_TF32 is set, which this refuses.
+    """
+
+    def __init__(self, name: str, *, dequant_kernel: str, dequant_items, **kw):
+        super().__init__(name, **kw)
+        self.dequant_kernel = dequant_kernel
+        self.dequant_items = dequant_items
+
+    def matmul_f32(self, backend, x, w):
+        if int(os.environ.get("CUPY_TF32", "0") or 0) > 0:
+            raise RuntimeError(f"{self.name}: CUPY_TF32 is set, so cuBLAS would round fp32 weights to TF32; "
+                               "the prefill path needs fp32 products (unset CUPY_TF32)")
+        T, N, K = x.shape[0], w.out_features, w.in_features
+        wf = backend.scratch("prefill_w_f32", (N, K), np.float32)
+        n = self.dequant_items(N, K)
+        loader.kernels()[self.dequant_kernel]((blocks(n),), (_EW_BLOCK,), (*self.weight_args(w), wf, i32(N), i32(K)))
+        xf = backend.scratch("prefill_x_f32", (T, K), np.float32)
+        xf[...] = x  # fp16 -> fp32, exact
+        y = backend.scratch("prefill_y", (T, N), np.float32)
+        cp.dot(xf, wf.T, out=y)  # both operands in cuBLAS's own layouts: no copies
+        return y
