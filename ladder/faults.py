@@ -32,6 +32,7 @@ class Fault:
     install: Callable  # install(backend, active: Callable[[], bool]) -> None
     rung: str  # the cheapest rung that must catch it, as pytest arguments
     names: tuple[str, ...]  # what the failure message must mention
+    per_format: bool = False  # it reads quantized weights: every format's kernels must catch it
 
 
 def _wrap(backend, op: str, make):
@@ -162,15 +163,17 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     Fault("stale_page_read", ("attention_decode",), "a stale page-table entry at a new page",
           _stale_page_read, "-m unit -k attention_decode", ("attention_decode",)),
     Fault("nibble_swap", ("prepare_linear",), "two elements of a row swapped in the unpack",
-          _nibble_swap, "-m unit -k 'qkv_proj or residual or gate_up'", ("qkv_proj", "o_proj_residual", "down_residual", "gate_up_silu")),
+          _nibble_swap, "-m unit -k 'qkv_proj or residual or gate_up'", ("qkv_proj", "o_proj_residual", "down_residual", "gate_up_silu"),
+          per_format=True),
     Fault("wrong_group_scale", ("prepare_linear",), "the wrong group's scale",
-          _wrong_group_scale, "-m unit -k 'qkv_proj or residual or gate_up'", ("qkv_proj", "o_proj_residual", "down_residual", "gate_up_silu")),
+          _wrong_group_scale, "-m unit -k 'qkv_proj or residual or gate_up'", ("qkv_proj", "o_proj_residual", "down_residual", "gate_up_silu"),
+          per_format=True),
     Fault("dropped_qkv_bias", ("qkv_proj",), "a dropped q/k/v bias",
           _dropped_qkv_bias, "-m unit -k qkv_proj", ("qkv_proj",)),
     Fault("wrong_rope_theta", ("rope_kv_write",), "a wrong RoPE theta",
           _wrong_rope_theta, "-m unit -k rope", ("rope",)),
     Fault("fp16_accumulation", ("down_residual",), "fp16 accumulation in a GEMV",
-          _fp16_accumulation, "-m unit -k residual", ("down_residual",)),
+          _fp16_accumulation, "-m unit -k residual", ("down_residual",), per_format=True),
 )}
 
 

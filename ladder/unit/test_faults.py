@@ -24,12 +24,21 @@ def run_rung(args: list[str], backend: str = "numpy") -> subprocess.CompletedPro
     return run_pytest(["-x", *args], backend)
 
 
-@pytest.mark.parametrize("name", sorted(FAULTS))
-def test_planted_fault_turns_its_rung_red_and_names_the_op(backend, name):
+def _cases():
+    """(fault, format): a fault that reads quantized weights once per format (each format's kernels must
+    catch it), the others once, in the default format."""
+    from engine.formats import DEFAULT_FORMAT, FORMATS
+
+    return [(name, quant) for name in sorted(FAULTS)
+            for quant in (sorted(FORMATS) if FAULTS[name].per_format else [DEFAULT_FORMAT])]
+
+
+@pytest.mark.parametrize("name,quant", _cases())
+def test_planted_fault_turns_its_rung_red_and_names_the_op(backend, name, quant):
     fault = FAULTS[name]
-    r = run_rung([*shlex.split(fault.rung), "--plant-fault", name], backend.name)
+    r = run_rung([*shlex.split(fault.rung), "--quant", quant, "--plant-fault", name], backend.name)
     out = r.stdout + r.stderr
-    assert r.returncode == 1, f"--plant-fault {name} ({fault.describes}) left `pytest {fault.rung}` green:\n{out[-3000:]}"
+    assert r.returncode == 1, f"--plant-fault {name} ({fault.describes}) left `pytest {fault.rung} --quant {quant}` green:\n{out[-3000:]}"
     failure = out[out.find("FAILURES"):] if "FAILURES" in out else out
     assert any(n in failure for n in fault.names), f"the failure does not name {fault.names}:\n{failure[-3000:]}"
     assert f"PLANTED FAULT {name}" in out

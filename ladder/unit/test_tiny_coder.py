@@ -18,7 +18,9 @@ import re
 import numpy as np
 import pytest
 
-from engine.config import GROUP_SIZE, PAGE_SIZE
+from engine.config import PAGE_SIZE
+from engine.formats import FORMATS
+from engine.weights import check_linears
 from fixtures import tiny_coder
 from ladder.tolerances import NEAR_TIE_EPS
 
@@ -94,8 +96,9 @@ def test_shape_fits_the_issue(manifest):
     folder = tiny_coder.trained_model_dir()
     assert sum(p.stat().st_size for p in folder.iterdir()) <= MAX_FOLDER_BYTES
     assert manifest["model"]["parameters"] <= MAX_PARAMETERS
-    for dim in (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size):
-        assert dim % GROUP_SIZE == 0
+    for name in FORMATS:  # the default model runs the ladder in every format
+        check_linears(cfg, name)
+    assert cfg.vocab_size % 128 == 0
     assert cfg.num_key_value_heads < cfg.num_attention_heads, "the default model must exercise GQA"
     assert cfg.eos_token_id == manifest["tokenizer"]["eos_token_id"]
 
