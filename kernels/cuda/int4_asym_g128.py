@@ -21,9 +21,8 @@ GROUP = 128
 MAGIC = 0x6400  # fp16 1024.0: 0x6400 | z is the fp16 number 1024 + z
 GEMV_KERNEL = "int4_asym_g128_gemv"
 VARIANTS = ("t64_r4", "t128_r4", "t128_r8", "t256_r8", "tc_w4_u4", "tc_w8_u4", "tc_w8_u2")
-# int4_sym_g128's picks (the same work split and bytes per row), before any H200 measurement of this
-# format (bench/NOTES.md): `python -m bench.format_gemv --all-variants` re-picks
-DEFAULT_CONFIG = {"qkv_proj": "tc_w8_u4", "o_proj_residual": "t128_r4", "gate_up_silu": "tc_w4_u4",
+# the fastest correct variant per op on an H200 (python -m bench.format_gemv --all-variants, bench/NOTES.md)
+DEFAULT_CONFIG = {"qkv_proj": "tc_w8_u2", "o_proj_residual": "t128_r4", "gate_up_silu": "tc_w8_u2",
                   "down_residual": "t128_r4"}
 
 

@@ -15,8 +15,8 @@ from kernels.cuda.linear import DequantLinear
 LOAD = 16  # weights per 16-byte load
 GEMV_KERNEL = "int8_sym_channel_gemv"
 VARIANTS = ("t64_r4", "t128_r4", "t128_r8", "t256_r8")
-# picked before any H200 measurement (bench/NOTES.md): `python -m bench.format_gemv --all-variants` re-picks
-DEFAULT_CONFIG = {"qkv_proj": "t128_r8", "o_proj_residual": "t128_r4", "gate_up_silu": "t128_r8",
+# the fastest correct variant per op on an H200 (python -m bench.format_gemv --all-variants, bench/NOTES.md)
+DEFAULT_CONFIG = {"qkv_proj": "t128_r4", "o_proj_residual": "t128_r4", "gate_up_silu": "t64_r4",
                   "down_residual": "t128_r4"}
 
 

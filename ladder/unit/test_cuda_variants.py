@@ -131,10 +131,10 @@ def test_attention_decode_with_fixed_split_sizes(backend, pages_per_split):
         backend.pages_per_split = saved
 
 
-def test_captured_decode_follows_a_wrapped_op_and_its_unwrapping(backend, request):
+def test_captured_decode_follows_a_wrapped_op_and_its_unwrapping(backend, model_path):
     if not backend.supports_graphs:
         pytest.skip("the backend does not capture graphs")
-    model = engine.load(request.getfixturevalue("model_path"), backend=backend)
+    model = engine.load(model_path, backend=backend)
     model.enable_cuda_graph(True)
     prompt = list(range(3, 16))
 
