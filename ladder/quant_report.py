@@ -1,7 +1,7 @@
 """`nanoqwen quant-report`: how far each quantization format moves a model from its fp16 self.
 
     nanoqwen quant-report [--formats a,b|all] [--models default,seeded] [--seeded-shape NAME]
-                          [--windows N] [--window T] [--seed S] [--out DIR]
+                          [--windows N] [--window T] [--seed S] [--tied-head] [--out DIR]
 
 This judges the formats' numbers, not their kernels. For each model and each format, the quantized
 model is the fp16 model with every linear (q/k/v/o, gate/up/down) replaced by the format's own round
@@ -26,8 +26,16 @@ the seeded random model (fixtures/tiny_model.py) at `--seeded-shape` (default th
 on the same held-out files in the seeded model's own tokenizer. A random model's perplexity on code
 means nothing by itself; its change under quantization, the KL and the agreement do.
 
+A shape with a tied lm_head (Qwen2.5-0.5B's) is measured with its own lm_head unless `--tied-head`: the
+generator's embedding has unit scale, so as the head it gives logits of standard deviation about
+sqrt(hidden) (30 at hidden 896, top-1 margins of hundreds of nats), every next-token distribution is
+one-hot and no format can move it (KL at fp64 rounding, agreement 1). Untied, the generator draws the
+same embedding and layers and adds a head with logits of standard deviation about 4; the quantized
+linears are the shape's own either way, and the head is never quantized.
+
 Prints one table per model (formats sorted by KL, the fp16 baseline first), writes quant_report.json
-and, where matplotlib exists, quant_report.png under `--out`. Progress goes to stderr.
+and, where matplotlib exists, quant_report.png under `--out`. Progress goes to stderr. The columns, how
+to run it and the measured tables: docs/QUANT_REPORT.md.
 """
 
 from __future__ import annotations
@@ -46,7 +54,7 @@ MODELS = {"default": "the trained tiny coder on its held-out files",
           "seeded": "the seeded random model at --seeded-shape, on the held-out files in its own tokenizer"}
 DEFAULT_SEEDED_SHAPE = "qwen2.5-0.5b"
 GEMV_SHAPE = "qwen2.5-coder-7b"
-DEFAULT_WINDOWS = 16
+DEFAULT_WINDOWS = 8
 DEFAULT_WINDOW = 256
 BATCH = 4  # windows of equal length run through the HF model as one batch
 COLUMNS = {
@@ -136,17 +144,20 @@ def default_subject(window: int, max_windows: int) -> Subject:
                    tiny_coder.config(), fp16_weights(folder), windows(window, max_windows))
 
 
-def seeded_subject(shape: str, seed: int, window: int, max_windows: int) -> Subject:
+def seeded_subject(shape: str, seed: int, window: int, max_windows: int, tied_head: bool = False) -> Subject:
     from tokenizers import Tokenizer
 
     from engine.config import SHAPES, Qwen2Config
     from fixtures.eval_tiny_coder import fp16_weights, heldout_stream, windows
     from fixtures.tiny_model import random_model_dir
 
-    folder = random_model_dir(seed, SHAPES[shape])
+    config = SHAPES[shape]
+    untie = config.tie_word_embeddings and not tied_head
+    folder = random_model_dir(seed, config.replace(tie_word_embeddings=False) if untie else config)
     cfg_dict = json.loads((folder / "config.json").read_text())
     stream = heldout_stream(Tokenizer.from_file(str(folder / "tokenizer.json")), cfg_dict["eos_token_id"])
-    return Subject("seeded", f"seeded model (shape {shape}, seed {seed})", cfg_dict,
+    label = f"seeded model (shape {shape}{', its own lm_head' if untie else ''}, seed {seed})"
+    return Subject("seeded", label, cfg_dict,
                    Qwen2Config.from_hf_dict(cfg_dict), fp16_weights(folder), windows(window, max_windows, stream))
 
 
@@ -243,7 +254,8 @@ def gemv_cell(gemv: dict, name: str) -> str:
 
 
 def quant_report(formats: list[str], models: list[str], seeded_shape: str = DEFAULT_SEEDED_SHAPE, seed: int = 0,
-                 max_windows: int = DEFAULT_WINDOWS, window: int = DEFAULT_WINDOW, progress=None) -> dict:
+                 max_windows: int = DEFAULT_WINDOWS, window: int = DEFAULT_WINDOW, tied_head: bool = False,
+                 progress=None) -> dict:
     """Every figure of the report, as the JSON holds it."""
     import torch
 
@@ -255,11 +267,12 @@ def quant_report(formats: list[str], models: list[str], seeded_shape: str = DEFA
     gemv = gemv_column(formats)
     result = {"formats": {f.name: f.describes for f in fmts}, "columns": COLUMNS, "models": {},
               "window": window, "max_windows": max_windows, "seeded_shape": seeded_shape, "seed": seed,
+              "tied_head": tied_head,
               "torch_threads": torch.get_num_threads(), "gemv": gemv}
     for key in models:
         progress(f"{key}: loading {MODELS[key]}")
         subject = (default_subject(window, max_windows) if key == "default"
-                   else seeded_subject(seeded_shape, seed, window, max_windows))
+                   else seeded_subject(seeded_shape, seed, window, max_windows, tied_head))
         m = measure_model(subject, fmts, progress)
         for name, row in m["formats"].items():
             row["gemv_7b"] = gemv["rows"].get(name) if gemv["available"] else "no GPU"
@@ -272,6 +285,11 @@ def _say(message: str) -> None:
     print(f"quant-report: {message}", file=sys.stderr, flush=True)
 
 
+def _num(x: float, sign: str = "") -> str:
+    """Four decimals, or six significant digits from a thousand up (a random model's perplexity)."""
+    return f"{x:{sign}.4f}" if abs(x) < 1e3 else f"{x:{sign}.6g}"
+
+
 def table(result: dict) -> str:
     """The report's tables, one per model, formats sorted by mean KL (the fp16 baseline first)."""
     lines = []
@@ -280,11 +298,11 @@ def table(result: dict) -> str:
     for key, m in result["models"].items():
         lines += ["", f"{m['label']}: {m['windows']} windows of up to {m['window']} tokens, {m['positions']} positions",
                   head, "-" * len(head),
-                  f"{'fp16':<18} {1.0:>11.4f} {0.0:>10.3g} {m['fp16']['perplexity']:>11.4f} {0.0:>+11.4f} "
+                  f"{'fp16':<18} {1.0:>11.4f} {0.0:>10.3g} {_num(m['fp16']['perplexity']):>11} {0.0:>+11.4f} "
                   f"{0.0:>+8.2f}% {m['fp16']['bytes_per_weight']:>8.4f}  -"]
         for name, r in sorted(m["formats"].items(), key=lambda kv: kv[1]["kl_mean"]):
-            lines.append(f"{name:<18} {r['top1_agreement']:>11.4f} {r['kl_mean']:>10.3g} {r['perplexity']:>11.4f} "
-                         f"{r['ppl_change']:>+11.4f} {r['ppl_change_pct']:>+8.2f}% {r['bytes_per_weight']:>8.4f}  "
+            lines.append(f"{name:<18} {r['top1_agreement']:>11.4f} {r['kl_mean']:>10.3g} {_num(r['perplexity']):>11} "
+                         f"{_num(r['ppl_change'], '+'):>11} {r['ppl_change_pct']:>+8.2f}% {r['bytes_per_weight']:>8.4f}  "
                          f"{gemv_cell(result['gemv'], name)}")
     return "\n".join(lines[1:])
 
@@ -326,7 +344,8 @@ def cmd_quant_report(args) -> int:
 
     out = check_output_folder(args.out)  # refused before the work, not after it
     out.mkdir(parents=True, exist_ok=True)
-    result = quant_report(list(args.formats), list(args.models), args.seeded_shape, args.seed, args.windows, args.window)
+    result = quant_report(list(args.formats), list(args.models), args.seeded_shape, args.seed, args.windows, args.window,
+                          args.tied_head)
     print(table(result))
     (out / "quant_report.json").write_text(json.dumps(result, indent=1) + "\n")
     drawn = plot(result, out / "quant_report.png")
@@ -395,5 +414,8 @@ def register(subparsers) -> None:
     q.add_argument("--window", type=int_at_least(1, "a positive integer"), default=DEFAULT_WINDOW,
                    help=f"tokens per window (default {DEFAULT_WINDOW})")
     q.add_argument("--seed", type=non_negative_int, default=DEFAULT_SEED, help="seed of the seeded model")
+    q.add_argument("--tied-head", action="store_true",
+                   help="keep a tied shape's lm_head tied to the seeded embedding (its next-token distributions "
+                        "are then one-hot: see docs/QUANT_REPORT.md)")
     q.add_argument("--out", default="reports/quant", help="folder for quant_report.json and quant_report.png")
     q.set_defaults(func=cmd_quant_report)

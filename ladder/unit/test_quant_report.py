@@ -87,6 +87,18 @@ def test_a_format_that_stores_the_weight_as_it_is_changes_nothing():
     assert row["bytes_per_weight"] == 2.0 and row["positions"] == 48
 
 
+def test_a_tied_shape_gets_its_own_lm_head_unless_asked_to_keep_it_tied(monkeypatch):
+    """The seeded embedding as a head makes one-hot distributions (docs/QUANT_REPORT.md): untied by default."""
+    monkeypatch.setitem(SHAPES, "tiny-tied", SHAPES[TINY].replace(tie_word_embeddings=True))
+    untied = seeded_subject("tiny-tied", seed=0, window=24, max_windows=1)
+    tied = seeded_subject("tiny-tied", seed=0, window=24, max_windows=1, tied_head=True)
+    assert not untied.config.tie_word_embeddings and "lm_head.weight" in untied.weights
+    assert tied.config.tie_word_embeddings and "lm_head.weight" not in tied.weights
+    assert "its own lm_head" in untied.label and "its own lm_head" not in tied.label
+    for name in ("model.embed_tokens.weight", "model.layers.3.mlp.down_proj.weight"):  # the same draws otherwise
+        assert np.array_equal(untied.weights[name], tied.weights[name])
+
+
 def test_every_format_on_the_tiny_seeded_model_has_sane_figures(tiny_report):
     code, _, out = tiny_report
     assert code == 0
