@@ -17,9 +17,9 @@ windows). Over every position of every window:
   against the fp16 model's, absolute and in percent;
 - bytes per weight: the format's stored bytes (scales and zero points included) over the model's
   linears, weighted by their sizes (`Format.bytes_per_weight`);
-- GEMV at the 7B shape: on a machine where the cuda backend runs, the format's GEMV time against the
-  bandwidth floor (`bench.format_gemv.gemv_times`, whose rows are kept in the JSON as given); elsewhere
-  "no GPU".
+- GEMV at the 7B shape: on a machine where the cuda backend runs, the format's decode GEMV time over
+  the four quantized ops of a Qwen2.5-Coder-7B layer and its multiple of the bandwidth floor
+  (`bench.format_gemv`: `gemv_times` and its `summary`, both kept in the JSON); elsewhere "no GPU".
 
 The models: `default` is the trained tiny coder on its held-out files (in its own tokens); `seeded` is
 the seeded random model (fixtures/tiny_model.py) at `--seeded-shape` (default the Qwen2.5-0.5B shape),
@@ -64,7 +64,8 @@ COLUMNS = {
     "ppl_change": "perplexity minus the fp16 model's perplexity",
     "ppl_change_pct": "ppl_change as a percentage of the fp16 model's perplexity",
     "bytes_per_weight": "stored bytes per weight over the model's linears, size-weighted, scales and zeros included",
-    "gemv_7b": f"GEMV time at the {GEMV_SHAPE} shape against the bandwidth floor (cuda only; else 'no GPU')",
+    "gemv_7b": f"decode GEMV time over the four quantized ops of a {GEMV_SHAPE} layer and its multiple of the "
+               f"bandwidth floor (bench.format_gemv.summary; cuda only, else 'no GPU')",
 }
 
 
@@ -216,38 +217,33 @@ def measure_model(subject: Subject, formats: list, progress) -> dict:
 # --- the GPU column -------------------------------------------------------------------------------
 
 
-def gemv_column(names: list[str]) -> dict:
-    """The GEMV rows of `bench.format_gemv.gemv_times` for `names`, on a machine where cuda runs."""
+def gemv_column(names: list[str], progress=None) -> dict:
+    """On a machine where the cuda backend runs: `bench.format_gemv`'s rows for `names` at the 7B shape
+    (one per format and op) and its per-format summary over the four ops; elsewhere the reason."""
     from kernels.base import backend_available
 
     ok, why = backend_available("cuda")
     if not ok:
-        return {"available": False, "why": why, "shape": GEMV_SHAPE, "rows": {}}
-    try:
-        from bench.format_gemv import gemv_times
-    except ModuleNotFoundError as e:
-        if e.name not in ("bench", "bench.format_gemv"):
-            raise
-        return {"available": False, "why": "bench/format_gemv.py is not in this checkout", "shape": GEMV_SHAPE, "rows": {}}
-    rows: dict[str, list] = {n: [] for n in names}
-    for row in gemv_times(formats=list(names)):
-        if row.get("format") in rows:
-            rows[row["format"]].append(row)
-    return {"available": True, "why": why, "shape": GEMV_SHAPE, "rows": rows}
+        return {"available": False, "why": why, "shape": GEMV_SHAPE, "rows": [], "summary": {}}
+    from bench.format_gemv import gemv_times, summary
+
+    rows = gemv_times(formats=list(names), shape=GEMV_SHAPE, progress=progress)
+    return {"available": True, "why": why, "shape": GEMV_SHAPE, "rows": rows,
+            "summary": {s["format"]: s for s in summary(rows)}}
 
 
 def gemv_cell(gemv: dict, name: str) -> str:
-    """The table's GEMV cell: 'no GPU' off a GPU; else the format's time against the floor, summed over
-    its rows (keys `time_us` and `floor_us`), or a pointer to the JSON when the rows carry other keys."""
+    """The table's GEMV cell: 'no GPU' off a GPU; on one, the format's time over the four ops of a 7B
+    layer and its multiple of the bandwidth floor (bench.format_gemv's summary), or WRONG where a kernel
+    failed its reference check before timing."""
     if not gemv["available"]:
         return "no GPU"
-    rows = gemv["rows"].get(name) or []
-    if not rows:
+    s = gemv["summary"].get(name)
+    if s is None:
         return "not measured"
-    if not all(isinstance(r.get("time_us"), (int, float)) and isinstance(r.get("floor_us"), (int, float)) for r in rows):
-        return "see JSON"
-    t, f = sum(r["time_us"] for r in rows), sum(r["floor_us"] for r in rows)
-    return f"{t:.1f} us, {t / f:.2f}x floor" if f > 0 else f"{t:.1f} us"
+    if not s["ok"]:
+        return "WRONG (see JSON)"
+    return f"{s['time_us']:.1f} us, {s['x_floor']:.2f}x floor"
 
 
 # --- the report -----------------------------------------------------------------------------------
@@ -264,7 +260,7 @@ def quant_report(formats: list[str], models: list[str], seeded_shape: str = DEFA
     progress = progress or _say
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     fmts = [get_format(n) for n in formats]
-    gemv = gemv_column(formats)
+    gemv = gemv_column(formats, progress)
     result = {"formats": {f.name: f.describes for f in fmts}, "columns": COLUMNS, "models": {},
               "window": window, "max_windows": max_windows, "seeded_shape": seeded_shape, "seed": seed,
               "tied_head": tied_head,
@@ -275,7 +271,7 @@ def quant_report(formats: list[str], models: list[str], seeded_shape: str = DEFA
                    else seeded_subject(seeded_shape, seed, window, max_windows, tied_head))
         m = measure_model(subject, fmts, progress)
         for name, row in m["formats"].items():
-            row["gemv_7b"] = gemv["rows"].get(name) if gemv["available"] else "no GPU"
+            row["gemv_7b"] = gemv["summary"].get(name) if gemv["available"] else "no GPU"
         result["models"][key] = m
         del subject
     return result

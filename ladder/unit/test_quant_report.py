@@ -134,12 +134,11 @@ def test_the_chart_is_drawn_where_matplotlib_is_installed(tiny_report):
 
 
 def test_the_gemv_cell_says_no_gpu_off_a_gpu_and_the_time_against_the_floor_on_one():
-    assert gemv_cell({"available": False, "rows": {}}, "int8_sym_channel") == "no GPU"
-    on_gpu = {"available": True, "rows": {"a": [{"format": "a", "time_us": 30.0, "floor_us": 20.0},
-                                                {"format": "a", "time_us": 10.0, "floor_us": 5.0}],
-                                          "b": [{"format": "b", "ms": 1.0}]}}
+    assert gemv_cell({"available": False, "summary": {}}, "int8_sym_channel") == "no GPU"
+    on_gpu = {"available": True, "summary": {"a": {"format": "a", "ok": True, "time_us": 40.0, "x_floor": 1.6},
+                                             "b": {"format": "b", "ok": False}}}
     assert gemv_cell(on_gpu, "a") == "40.0 us, 1.60x floor"
-    assert gemv_cell(on_gpu, "b") == "see JSON" and gemv_cell(on_gpu, "c") == "not measured"
+    assert gemv_cell(on_gpu, "b") == "WRONG (see JSON)" and gemv_cell(on_gpu, "c") == "not measured"
 
 
 @pytest.mark.skipif(EXE is None, reason="nanoqwen is not installed here (pip install -e '.[test]')")
