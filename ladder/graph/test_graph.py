@@ -35,7 +35,7 @@ pytest.importorskip("transformers", reason="the graph rung's reference (the HF s
 import engine
 from fixtures.prompts import default_prompts_path, prompts_for_model, read_prompt_ids
 from ladder.compare import rerun_command
-from ladder.tokens import (compare_greedy, derive_bounds, engine_logits, flatness, spread_by_length,
+from ladder.tokens import (GraphBounds, compare_greedy, derive_bounds, engine_logits, flatness, spread_by_length,
                            reference_greedy, tokens_to_generate)
 from fixtures.dequantized import dequantized_weights
 from reference.hf import hf_model
@@ -85,6 +85,11 @@ class ReferenceRuns:
             self._threads = 1 if params < SMALL_MODEL_PARAMS else max(1, (os.cpu_count() or 1) // workers)
         return self._hf
 
+    def release(self) -> None:
+        """Drop the HF simulation and its weights, keep the runs made (rebuilt if a new prompt needs it)."""
+        self._hf = None
+        self.config = self.weights = None
+
     def get(self, prompt):
         if prompt.id not in self._runs:
             import torch
@@ -104,17 +109,34 @@ class ReferenceRuns:
         return self._runs[prompt.id]
 
 
+# A worker that runs several formats' tests (pytest-xdist hands them out in chunks) switches the
+# session fixtures' parameter back and forth, and pytest rebuilds a parametrized session fixture at each
+# switch. The runs and bounds of each model are kept here, by model path, across those rebuilds: without
+# this, every switch recomputed the floor prompts and the floor (a nightly's graph rung over four formats
+# ran for half an hour). The HF simulation itself is dropped at a switch (a large model's fp32 weights).
+_REFERENCES: dict[tuple, ReferenceRuns] = {}
+_BOUNDS: dict[tuple, GraphBounds] = {}
+
+
 @pytest.fixture(scope="session")
 def references(request, model_path):
-    return ReferenceRuns(model_path, request.config.getoption("--new-tokens"))
+    key = (str(model_path), request.config.getoption("--new-tokens"))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = ReferenceRuns(model_path, request.config.getoption("--new-tokens"))
+    yield _REFERENCES[key]
+    _REFERENCES[key].release()
 
 
 @pytest.fixture(scope="session")
-def bounds(prompts, references):
+def bounds(request, model_path, prompts, references):
     """The model's near-tie epsilon and allowed logit difference, from its floor on the floor prompts."""
-    chosen = spread_by_length(prompts.values())
-    runs = [(p.id, p.ids, references.get(p)) for p in chosen]  # builds the HF simulation first
-    return derive_bounds(references.config, references.weights, runs)
+    key = (str(model_path), request.config.getoption("--new-tokens"), request.config.getoption("--prompts"))
+    if key not in _BOUNDS:
+        chosen = spread_by_length(prompts.values())
+        runs = [(p.id, p.ids, references.get(p)) for p in chosen]
+        references.model()  # the weights the floor's plain forward reads (kept runs need no HF model)
+        _BOUNDS[key] = derive_bounds(references.config, references.weights, runs)
+    return _BOUNDS[key]
 
 
 @pytest.fixture(scope="module")
