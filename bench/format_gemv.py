@@ -36,10 +36,11 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.measure import BLOCK_ROWS, quantized_block
+
 NOMINAL_BANDWIDTH = 4.8e12  # B/s: the H200's HBM3e, its datasheet figure
 ACCEPT_RATIO = 1.3  # a format's time per byte read may be at most this multiple of int4_sym_g128's
 BASELINE = "int4_sym_g128"
-BLOCK_ROWS = 64
 OPS = ("qkv_proj", "o_proj_residual", "gate_up_silu", "down_residual")
 
 
@@ -58,9 +59,7 @@ def op_shapes(config) -> dict[str, tuple[int, int]]:
 def tiled_tensors(fmt, out_features: int, in_features: int, seed: int) -> tuple[dict, dict]:
     """(stored tensors of a [out, in] weight, those of its 64-row block): the block quantized by the
     format, its rows repeated to `out_features` (every stored tensor keeps its rows on axis 0)."""
-    rng = np.random.default_rng(seed)
-    w = (rng.standard_normal((BLOCK_ROWS, in_features)) / np.sqrt(in_features)).astype(np.float32)
-    block = fmt.quantize(w)
+    block = quantized_block(fmt.name, BLOCK_ROWS, in_features, f"gemv[{out_features}, {in_features}]", seed)
     reps = -(-out_features // BLOCK_ROWS)
     full = {k: np.ascontiguousarray(np.tile(v, (reps,) + (1,) * (v.ndim - 1))[:out_features]) for k, v in block.items()}
     return full, block

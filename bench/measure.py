@@ -67,71 +67,34 @@ def fill_normal_f16(arr, std, name, seed):
     arr[...] = (x * np.float32(std)).astype(cp.float16).reshape(arr.shape)
 
 
-# ---- each format's stored tensors, random and valid --------------------------------------------------
+# ---- each format's stored tensors, through the format's own definition ------------------------------
 #
-# A filler writes a linear's stored tensors on the device: random codes, and scales drawn uniformly in
-# [0.5, 1.5] / (std of a code's value * sqrt(in)), so each linear has about unit gain (outputs of the
-# same size as its inputs) whatever the format.
+# A linear's stored tensors are its format's own `quantize` (engine/formats) of a seeded random block of
+# BLOCK_ROWS rows, normal with std 1/sqrt(in) (about unit gain: outputs the size of the inputs), written
+# down the rows on the device block after block. Every value is one the format holds, for any format,
+# with no bench code per format; a decode step's time does not depend on the values.
+BLOCK_ROWS = 64
 
 
-def _unit_scales(arr, code_std: float, in_features: int, name: str, seed: int):
-    fill_uniform_f16(arr, 0.5 / (code_std * np.sqrt(in_features)), 1.5 / (code_std * np.sqrt(in_features)), name, seed)
+def quantized_block(quant: str, rows: int, in_features: int, name: str, seed: int) -> dict[str, np.ndarray]:
+    """The stored tensors (host) of a seeded random [rows, in_features] weight in format `quant`."""
+    from engine.formats import get_format
 
-
-def _fill_int4_sym_g128(q, name, seed):
-    fill_u32(q["qweight"], name + ".qweight", seed)  # every nibble 0..15 is valid: n - 8 uniform in -8..7
-    _unit_scales(q["scales"], 4.6, q.in_features, name + ".scales", seed)  # n - 8 has std ~4.6
-
-
-def _fill_int8_sym_channel(q, name, seed):
-    import cupy as cp
-
-    qw = q["qweight"]
-    fill_u32(qw, name + ".qweight", seed)
-    qw[...] = cp.maximum(qw, -127)  # the format never stores -128
-    _unit_scales(q["scales"], float(np.sqrt((255**2 - 1) / 12)), q.in_features, name + ".scales", seed)
-
-
-def _e4m3_code_std() -> float:
-    """RMS of the e4m3 values of random bytes whose NaN codes (0x7F, 0xFF) became 0x7E, 0xFE (+-448)."""
-    from engine.formats.fp8_e4m3_channel import decode_e4m3
-
-    codes = np.arange(256, dtype=np.uint8)
-    codes = np.where((codes & 0x7F) == 0x7F, codes ^ 1, codes).astype(np.uint8)
-    return float(np.sqrt(np.mean(decode_e4m3(codes).astype(np.float64) ** 2)))
-
-
-def _fill_fp8_e4m3_channel(q, name, seed):
-    import cupy as cp
-
-    qw = q["qweight"]
-    fill_u32(qw, name + ".qweight", seed)
-    qw[...] = cp.where((qw & 0x7F) == 0x7F, qw ^ 1, qw)  # no NaN codes: 0x7F -> 0x7E, 0xFF -> 0xFE
-    _unit_scales(q["scales"], _e4m3_code_std(), q.in_features, name + ".scales", seed)
-
-
-def _fill_int4_asym_g128(q, name, seed):
-    import cupy as cp
-
-    fill_u32(q["qweight"], name + ".qweight", seed)  # every nibble q = 0..15 is valid
-    sz = q["scale_zero"]
-    fill_u32(sz, name + ".zero", seed)  # z = the low 4 random bits of each word
-    scales = cp.empty(sz.shape, dtype=cp.float16)
-    # q - z with q, z uniform in 0..15: variance twice a nibble's
-    _unit_scales(scales, float(np.sqrt(2 * (16**2 - 1) / 12)), q.in_features, name + ".scales", seed)
-    zero = (sz & np.uint32(0xF)) | np.uint32(0x6400)  # the fp16 number 1024 + z
-    sz[...] = scales.view(cp.uint16).astype(cp.uint32) | (zero << np.uint32(16))
-
-
-FILLERS = {"int4_sym_g128": _fill_int4_sym_g128, "int8_sym_channel": _fill_int8_sym_channel,
-           "fp8_e4m3_channel": _fill_fp8_e4m3_channel, "int4_asym_g128": _fill_int4_asym_g128}
+    rng = np.random.default_rng(int(_seed(name, seed)))
+    w = (rng.standard_normal((rows, in_features)) / np.sqrt(in_features)).astype(np.float32)
+    return get_format(quant).quantize(w)
 
 
 def fill_linear(q, name: str, seed: int) -> None:
     """Seeded random stored tensors of the quantized linear `q` (a QuantizedWeight on the cuda backend)."""
-    if q.format not in FILLERS:
-        raise ValueError(f"bench has no random filler for format {q.format!r}; known: {', '.join(sorted(FILLERS))}")
-    FILLERS[q.format](q, name, seed)
+    import cupy as cp
+
+    block = quantized_block(q.format, min(BLOCK_ROWS, q.out_features), q.in_features, name, seed)
+    for key, host in block.items():
+        dev, b = q[key], cp.asarray(host)
+        for r0 in range(0, q.out_features, b.shape[0]):
+            r1 = min(q.out_features, r0 + b.shape[0])
+            dev[r0:r1] = b[: r1 - r0]
 
 
 def _placeholders(quant: str) -> dict[str, object]:
@@ -149,8 +112,6 @@ def build_model(config, seed: int, cache_tokens: int, quant: str = "int4_sym_g12
     checkpoint)."""
     from engine.model import Model
 
-    if quant not in FILLERS:
-        raise ValueError(f"bench has no random filler for format {quant!r}; known: {', '.join(sorted(FILLERS))}")
     fills = _placeholders(quant)
 
     def get(name, dtype, shape):  # placeholders, overwritten on the device below

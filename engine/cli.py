@@ -4,7 +4,7 @@ finds the others (`python -m ladder` runs the same `main` from a plain checkout)
     nanoqwen ladder [--model FILE|HF_DIR] [--quant FORMAT|all] [--prompts FILE] [--backend B] [--keep-going]
                     [--report DIR] [--baseline DIR] [--coverage]
     nanoqwen generate [--model FILE] (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens N]
-    nanoqwen convert HF_DIR OUT.nanoqwen [--quant FORMAT]     (int4_sym_g128, int4_asym_g128, int8_sym_channel, fp8_e4m3_channel)
+    nanoqwen convert HF_DIR OUT.nanoqwen [--quant FORMAT]     (the formats: docs/FORMAT.md, `convert --help`)
     nanoqwen inspect FILE
     nanoqwen bisect --good REV [--bad REV] [--backend B] [--repo PATH] [-- PYTEST ARGS, default -m unit]
     nanoqwen descend [--model FILE|HF_DIR] [--prompt TEXT | --prompt-ids 1,2,3] [--plant-fault NAME[@LAYER]]

@@ -192,20 +192,6 @@ class CudaBackend(Backend):
             y = lin.matmul_f32(self, x, w)
             self._k["epi_silu_mul_f16"]((_blocks(T * inter),), (_EW_BLOCK,), (y, out, _i32(T), _i32(inter)))
 
-    # --- the GPU's own e4m3 conversions (the fp8 format's definition is held to them) ---------
-
-    def e4m3_encode(self, values) -> np.ndarray:
-        """float32 host values -> uint8 e4m3 codes by cvt.rn.satfinite.e4m3x2.f32 (element order)."""
-        from kernels.cuda.fp8_e4m3_channel import hardware_encode
-
-        return hardware_encode(values)
-
-    def e4m3_decode(self, codes) -> np.ndarray:
-        """uint8 host e4m3 codes -> float16 values by cvt.rn.f16x2.e4m3x2 (element order)."""
-        from kernels.cuda.fp8_e4m3_channel import hardware_decode
-
-        return hardware_decode(codes)
-
     # --- the other ops ------------------------------------------------------------------------
 
     def embed(self, ids, table, out):

@@ -21,6 +21,41 @@
 // loader and the compile test see every name; the launcher picks one per op (backend.gemv_config).
 #include "gemv_rows.cuh"
 
+// ---- unpack helpers --------------------------------------------------------------------------------
+
+// fp8 e4m3: a 32-bit word holds 4 consecutive e4m3 bytes of a row, byte k = element k. The hardware
+// conversion cvt.rn.f16x2.e4m3x2 (sm_89+) takes two bytes in a 16-bit register and puts the LOW byte in
+// the LOW half of the half2 (the high byte in the high half), so h[0] = (e0, e1), h[1] = (e2, e3).
+// Every e4m3 value (subnormals down to 2^-9, up to 448) is exact in fp16; the NaN codes give NaN.
+__device__ __forceinline__ void e4m3_pairs(u32 word, u32 (&h)[2]) {
+    asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %2; cvt.rn.f16x2.e4m3x2 %0, lo; cvt.rn.f16x2.e4m3x2 %1, hi; }"
+        : "=r"(h[0]), "=r"(h[1]) : "r"(word));
+}
+
+
+// ---- the decoder of gemv_rows.cuh -------------------------------------------------------------------
+
+// fp8_e4m3_channel: qweight uint8 e4m3 [out, in] row-major, scales fp16 [out]. A chunk is 16 weights.
+struct DecodeFp8E4m3Channel {
+    static constexpr int ELEMS = 16;
+    typedef f16_bits Scale;
+    typedef int Aux;
+    __device__ static __forceinline__ int aux(const Scale*, int, int, int) { return 0; }
+    __device__ static __forceinline__ float accumulate(float acc, const uint4& w, const float (&xf)[ELEMS], int) {
+        const u32 words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            u32 h[2];
+            e4m3_pairs(words[i], h);
+            acc = fma_pair(h[0], xf[4 * i], xf[4 * i + 1], acc);
+            acc = fma_pair(h[1], xf[4 * i + 2], xf[4 * i + 3], acc);
+        }
+        return acc;
+    }
+    __device__ static __forceinline__ float finish(float total, const Scale* s, int row) { return total * h2f(__ldg(s + row)); }
+};
+
+
 extern "C" __global__ void __launch_bounds__(64) fp8_e4m3_channel_gemv_bias_f16_t64_r4(
     const f16_bits* x, const unsigned char* qweight, const f16_bits* scales, const f16_bits* bias, f16_bits* out, int rows, int in_f) {
     gemv_rows<DecodeFp8E4m3Channel, EPI_BIAS_F16, 64, 4>(x, reinterpret_cast<const uint4*>(qweight), scales, bias, out, nullptr, rows, in_f);

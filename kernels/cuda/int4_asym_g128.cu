@@ -19,6 +19,59 @@
 // and the compile test see every name; the launcher picks one per op (backend.gemv_config).
 #include "gemv_rows.cuh"
 
+// ---- unpack helpers --------------------------------------------------------------------------------
+
+// int4_asym_g128: a scale_zero word (low half: fp16 scale, high half: fp16 1024 + z, i.e. 0x6400 | z)
+// -> the half2 (1024 + z, 1024 + z): prmt 0x3232 copies bytes (2, 3) into both halves.
+__device__ __forceinline__ u32 zero_pair(u32 scale_zero) {
+    u32 z;
+    asm("prmt.b32 %0, %1, %2, 0x3232;" : "=r"(z) : "r"(scale_zero), "r"(0u));
+    return z;
+}
+
+// q[k] = half2 (element 2k - z, element 2k+1 - z) of a ValueShuffle word (int4_sym_g128's nibble order,
+// common.cuh): (word >> 4k) & 0x000F000F | 0x64006400 is the half2 (1024 + q_2k, 1024 + q_2k+1), and
+// subtracting zz = half2 (1024 + z, 1024 + z) leaves q - z exactly (-15 .. 15).
+__device__ __forceinline__ void unpack_int4_pairs_zero(u32 word, u32 zz, u32 (&q)[4]) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        u32 t;
+        // lop3 LUT 0xEA = (a & b) | c  with a = word >> 4k, b = 0x000F000F, c = 0x64006400
+        asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(t) : "r"(word >> (4 * k)), "r"(0x000F000Fu), "r"(0x64006400u));
+        asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(q[k]) : "r"(t), "r"(zz));
+    }
+}
+
+
+// ---- the decoder of gemv_rows.cuh -------------------------------------------------------------------
+
+// int4_asym_g128: qweight uint32 ValueShuffle words [out, in/8], scale_zero uint32 [out, in/128]. A
+// chunk is 4 words = 32 weights, a quarter of a 128-group, so chunk c's group is c / 4 and one 4-byte
+// load gives its scale and zero point. The chunk's 32 products are summed in fp32, then scaled once.
+struct DecodeInt4AsymG128 {
+    static constexpr int ELEMS = 32;
+    typedef u32 Scale;
+    typedef u32 Aux;
+    __device__ static __forceinline__ u32 aux(const Scale* sz, int row, int in_f, int c) {
+        return __ldg(sz + (size_t)row * (in_f / 128) + c / 4);
+    }
+    __device__ static __forceinline__ float accumulate(float acc, const uint4& w, const float (&xf)[ELEMS], u32 sz) {
+        const u32 words[4] = {w.x, w.y, w.z, w.w};
+        const u32 zz = zero_pair(sz);
+        float p = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {  // word j holds elements 8j .. 8j+7 of the chunk
+            u32 q[4];
+            unpack_int4_pairs_zero(words[j], zz, q);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) p = fma_pair(q[k], xf[8 * j + 2 * k], xf[8 * j + 2 * k + 1], p);
+        }
+        return fmaf(p, h2f((f16_bits)(sz & 0xFFFFu)), acc);
+    }
+    __device__ static __forceinline__ float finish(float total, const Scale*, int) { return total; }
+};
+
+
 extern "C" __global__ void __launch_bounds__(64) int4_asym_g128_gemv_bias_f16_t64_r4(
     const f16_bits* x, const u32* qweight, const u32* scales, const f16_bits* bias, f16_bits* out, int rows, int in_f) {
     gemv_rows<DecodeInt4AsymG128, EPI_BIAS_F16, 64, 4>(x, reinterpret_cast<const uint4*>(qweight), scales, bias, out, nullptr, rows, in_f);

@@ -17,6 +17,47 @@
 // loader and the compile test see every name; the launcher picks one per op (backend.gemv_config).
 #include "gemv_rows.cuh"
 
+// ---- unpack helpers --------------------------------------------------------------------------------
+
+// int8: a 32-bit word holds 4 consecutive weights of a row, byte k = element k (little-endian rows).
+// h[0] = half2 (e0, e1) and h[1] = half2 (e2, e3), exact. prmt picks bytes: selector nibble i names the
+// source byte of result byte i (0..3 from `word`, 4..7 from the second operand, 0 here), so 0x4140
+// gives the bytes (e0, 0, e1, 0) and 0x4342 gives (e2, 0, e3, 0): one weight in the low byte of each
+// 16-bit half. XOR 0x6480 then flips bit 7 (two's-complement q -> unsigned q + 128, 0..255) and sets
+// 0x6400 above it: the fp16 number 1024 + 128 + q (fp16 1024's ulp is 1). Subtracting 1152 (0x6480)
+// in half2 leaves q exactly (integers up to 2048 are exact in fp16).
+__device__ __forceinline__ void int8_pairs(u32 word, u32 (&h)[2]) {
+    u32 t0, t1;
+    asm("prmt.b32 %0, %1, %2, 0x4140;" : "=r"(t0) : "r"(word), "r"(0u));
+    asm("prmt.b32 %0, %1, %2, 0x4342;" : "=r"(t1) : "r"(word), "r"(0u));
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(h[0]) : "r"(t0 ^ 0x64806480u), "r"(0x64806480u));
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(h[1]) : "r"(t1 ^ 0x64806480u), "r"(0x64806480u));
+}
+
+
+// ---- the decoder of gemv_rows.cuh -------------------------------------------------------------------
+
+// int8_sym_channel: qweight int8 [out, in] row-major, scales fp16 [out]. A chunk is 16 weights.
+struct DecodeInt8SymChannel {
+    static constexpr int ELEMS = 16;
+    typedef f16_bits Scale;
+    typedef int Aux;
+    __device__ static __forceinline__ int aux(const Scale*, int, int, int) { return 0; }
+    __device__ static __forceinline__ float accumulate(float acc, const uint4& w, const float (&xf)[ELEMS], int) {
+        const u32 words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            u32 h[2];
+            int8_pairs(words[i], h);
+            acc = fma_pair(h[0], xf[4 * i], xf[4 * i + 1], acc);
+            acc = fma_pair(h[1], xf[4 * i + 2], xf[4 * i + 3], acc);
+        }
+        return acc;
+    }
+    __device__ static __forceinline__ float finish(float total, const Scale* s, int row) { return total * h2f(__ldg(s + row)); }
+};
+
+
 extern "C" __global__ void __launch_bounds__(64) int8_sym_channel_gemv_bias_f16_t64_r4(
     const f16_bits* x, const signed char* qweight, const f16_bits* scales, const f16_bits* bias, f16_bits* out, int rows, int in_f) {
     gemv_rows<DecodeInt8SymChannel, EPI_BIAS_F16, 64, 4>(x, reinterpret_cast<const uint4*>(qweight), scales, bias, out, nullptr, rows, in_f);

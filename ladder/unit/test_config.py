@@ -8,7 +8,7 @@ import pytest
 
 from engine.config import SHAPES, Qwen2Config
 from engine.errors import ConfigError
-from engine.formats import FORMATS
+from engine.formats import DEFAULT_FORMAT, FORMATS, get_format
 from engine.weights import check_linears
 
 BASE = SHAPES["tiny"].to_hf_dict()
@@ -60,20 +60,22 @@ def test_unimplemented_features_are_refused_by_key(key, value):
         Qwen2Config.from_hf_dict({**BASE, key: value})
 
 
-@pytest.mark.parametrize("key,value,fits", [
-    ("hidden_size", 200, ()),  # 200 = 4 heads of 50: not a multiple of 16
-    ("intermediate_size", 1000, ()),
-    ("intermediate_size", 1040, ("int8_sym_channel", "fp8_e4m3_channel")),  # a multiple of 16, not of 128
-])
-def test_each_format_refuses_the_linear_shapes_it_cannot_hold_by_key(key, value, fits):
-    """A format's shape rule (engine/formats: `in_multiple`) is checked with the model's format, naming the key."""
+@pytest.mark.parametrize("key,value", [("hidden_size", 200), ("intermediate_size", 1000), ("intermediate_size", 1040)])
+@pytest.mark.parametrize("quant", sorted(FORMATS))
+def test_each_format_refuses_the_linear_shapes_it_cannot_hold_by_key(key, value, quant):
+    """A format's shape rule (engine/formats: `check_linear`) is checked with the model's format and
+    named by config key: 200 (4 heads of 50) and 1000 fit no shipped format, 1040 the 16-wide ones."""
     config = Qwen2Config.from_hf_dict({**BASE, key: value})
-    for name in FORMATS:
-        if name in fits:
-            check_linears(config, name)
-        else:
-            with pytest.raises(ConfigError, match=f"{key}.*{name}"):
-                check_linears(config, name)
+    if value % get_format(quant).in_multiple == 0:
+        check_linears(config, quant)
+    else:
+        with pytest.raises(ConfigError, match=f"{key}.*{quant}"):
+            check_linears(config, quant)
+
+
+def test_the_default_format_needs_inputs_in_whole_groups_of_128():
+    with pytest.raises(ConfigError, match="intermediate_size.*multiple of 128"):
+        check_linears(Qwen2Config.from_hf_dict({**BASE, "intermediate_size": 1040}), DEFAULT_FORMAT)
 
 
 def test_missing_key_is_named():

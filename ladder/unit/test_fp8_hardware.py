@@ -1,9 +1,9 @@
 """Unit rung: the fp8_e4m3_channel definition (engine/formats) is the GPU's own e4m3 conversion, bit for bit.
 
 The format's NumPy `encode_e4m3` / `decode_e4m3` claim to match `cvt.rn.satfinite.e4m3x2.f32` and
-`cvt.rn.f16x2.e4m3x2` (the conversions the CUDA kernels decode with). A backend that exposes the
-hardware conversions (`e4m3_encode`, `e4m3_decode`: the cuda backend, through two test entry points of
-kernels/cuda/fp8_e4m3_channel.cu) is held to that here:
+`cvt.rn.f16x2.e4m3x2` (the conversions the CUDA kernels decode with). A backend whose fp8 kernels
+expose the hardware conversions (`hardware_encode`, `hardware_decode` of `backend.linears[...]`: the
+cuda backend, through two test entry points of kernels/cuda/fp8_e4m3_channel.cu) is held to that here:
 
 - decode: all 256 codes; every non-NaN value has the same bits (the sign of zero included), and the
   NaN codes (0x7F, 0xFF) are exactly the codes that decode to NaN on both sides;
@@ -26,9 +26,11 @@ F32 = np.float32
 
 
 def _hardware(backend):
-    if not hasattr(backend, "e4m3_encode"):
+    """The backend's fp8 kernels, where they carry the hardware conversions (cuda's launcher does)."""
+    kernels = getattr(backend, "linears", {}).get("fp8_e4m3_channel")
+    if not hasattr(kernels, "hardware_encode"):
         pytest.skip(f"backend {backend.name} has no hardware e4m3 conversion to hold the definition to")
-    return backend
+    return kernels
 
 
 def _hex(a) -> str:
@@ -62,7 +64,7 @@ def _encode_inputs() -> np.ndarray:
 def test_hardware_e4m3_decode_is_the_definition_bit_for_bit(backend):
     be = _hardware(backend)
     codes = np.arange(256, dtype=np.uint8)
-    hw = np.asarray(be.e4m3_decode(codes)).astype(F32)  # fp16 -> fp32 is exact, NaN stays NaN
+    hw = np.asarray(be.hardware_decode(codes)).astype(F32)  # fp16 -> fp32 is exact, NaN stays NaN
     ref = decode_e4m3(codes)
     hw_nan, ref_nan = np.isnan(hw), np.isnan(ref)
     assert np.array_equal(hw_nan, ref_nan), \
@@ -76,7 +78,7 @@ def test_hardware_e4m3_decode_is_the_definition_bit_for_bit(backend):
 def test_hardware_e4m3_encode_is_the_definition_bit_for_bit(backend):
     be = _hardware(backend)
     v = _encode_inputs()
-    hw = np.asarray(be.e4m3_encode(v), dtype=np.uint8)
+    hw = np.asarray(be.hardware_encode(v), dtype=np.uint8)
     ref = encode_e4m3(v)
     assert hw.shape == ref.shape == v.shape
     bad = np.flatnonzero(hw != ref)
@@ -89,5 +91,5 @@ def test_hardware_e4m3_encodes_negative_nan_as_the_definition_does(backend):
     be = _hardware(backend)
     v = np.array([np.nan, -np.nan], dtype=F32)
     assert np.signbit(v[1]), "-nan must carry its sign bit for this case to mean anything"
-    hw = np.asarray(be.e4m3_encode(v), dtype=np.uint8)
+    hw = np.asarray(be.hardware_encode(v), dtype=np.uint8)
     assert _hex(hw) == _hex(encode_e4m3(v)), f"NaN, -NaN: hardware {_hex(hw)}, definition {_hex(encode_e4m3(v))}"
