@@ -41,6 +41,7 @@ COMMANDS = {
     "descend": "ladder.descend:register",
     "bench": "bench.cli:register",
     "quant-report": "ladder.quant_report:register",
+    "mutate": "ladder.mutate:register",
 }
 
 

@@ -1,0 +1,159 @@
+"""Unit rung: the mutants of `nanoqwen mutate` are one-site edits of code, and the run judges them right.
+
+ladder/mutants.py must never edit a comment, a docstring, a string (inline PTX) or a preprocessor line,
+must leave template brackets, casts, pointer declarators and signs alone, and must give every mutant a
+signature that names it alone. ladder/mutate.py must call a mutant the unit rung catches "killed" and
+one it cannot see "survived", and refuse bad arguments in one line. The reviewed equivalent list must
+name mutants that exist, each with its reason.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ladder.mutants import Mutant, compiles, cuda_mutants, mutants_of, python_mutants
+from ladder.mutate import DEFAULT_FILES, EQUIVALENT_FILE, ROOT, all_mutants, kernel_files, run, sample
+from ladder.nested import child_env, skip_inside_nested_run
+
+KERNEL_FILES = kernel_files(DEFAULT_FILES["numpy"] + DEFAULT_FILES["cuda"])
+
+PY_SAMPLE = '''"""A docstring with 1 + 2 < 3 in it."""
+import numpy as np
+
+LIMIT = 4  # a comment: a < b
+
+
+def f(x, n):
+    """x + 1"""
+    s = "a - b"
+    if n <= 2 and x is not None:
+        return x.astype(np.float32) * 2.5 - n
+    return -x
+'''
+
+CU_SAMPLE = '''// a comment: a < b + 1
+#define TILE 64
+#include "common.cuh"
+
+template <int R, int T>
+__device__ __forceinline__ float body(const float* __restrict__ x, int n) {
+    float acc = 0.0f;
+    for (int i = threadIdx.x; i < n; i += T) acc += x[i] * 2.0f;  /* a block comment - 1 */
+    __syncthreads();
+    acc += __shfl_xor_sync(0xffffffffu, acc, 16);
+    asm("add.f32 %0, %1, %2;" : "=f"(acc) : "f"(acc), "f"(-acc));
+    return -acc;
+}
+
+extern "C" __global__ void k(const float* x, float* y, int n) {
+    y[0] = body<4, 128>(reinterpret_cast<const float*>(x), n);
+}
+'''
+
+
+def _edits(source: str, mutants: list[Mutant]) -> list[tuple[str, str]]:
+    out = []
+    for m in mutants:
+        mutated = m.apply(source)
+        assert mutated[:m.start] == source[:m.start]
+        assert mutated[m.start + len(m.replacement):] == source[m.start + len(m.original):], m.describe()
+        out.append((m.original, m.replacement))
+    return out
+
+
+def test_python_mutants_leave_docstrings_comments_and_strings_alone(tmp_path):
+    path = tmp_path / "k.py"
+    path.write_text(PY_SAMPLE)
+    mutants = python_mutants(path, "k.py")
+    edits = _edits(PY_SAMPLE, mutants)
+    assert ("<=", "<") in edits and ("and", "or") in edits and ("float32", "float16") in edits
+    assert ("*", "/") in edits and ("-", "+") in edits and ("2.5", "5.0") in edits and ("4", "5") in edits
+    docstring_end = PY_SAMPLE.index('"""', 3) + 3
+    for m in mutants:
+        assert m.start >= docstring_end
+        line = PY_SAMPLE.splitlines()[m.line - 1]
+        assert "#" not in line[:line.find(m.original)] and '"' not in line.split("=")[0], m.describe()
+    assert {m.function for m in mutants} == {"<module>", "f"}
+    assert not any(m.line == 9 for m in mutants), "a string literal was mutated"
+    assert all(compiles("k.py", m.apply(PY_SAMPLE)) for m in mutants)
+
+
+def test_cuda_mutants_skip_comments_preprocessor_strings_templates_and_declarators(tmp_path):
+    path = tmp_path / "k.cu"
+    path.write_text(CU_SAMPLE)
+    mutants = cuda_mutants(path, "k.cu")
+    edits = _edits(CU_SAMPLE, mutants)
+    lines = CU_SAMPLE.splitlines()
+    assert not any(m.line in (1, 2, 3, 5, 11) for m in mutants), [m.describe() for m in mutants if m.line in (1, 2, 3, 5, 11)]
+    assert ("<", "<=") in edits and ("+=", "+=") not in edits and ("*", "/") in edits
+    assert ("__syncthreads();", ";") in edits and ("16", "(16) >> 1") in edits
+    assert ("2.0f", "4.0f") in edits
+    for m in mutants:
+        if m.line == 16:  # body<4, 128>(reinterpret_cast<const float*>(x), n): no comparison, no product
+            assert m.kind == "literal", m.describe()
+        assert not (m.line == 6), f"a signature was mutated: {m.describe()}"
+    assert {m.function for m in mutants} == {"body", "k"}
+    return_line = next(i for i, text in enumerate(lines, 1) if "return -acc" in text)
+    assert not any(m.line == return_line for m in mutants), "a unary minus is not a binary operator"
+
+
+def test_every_kernel_mutant_is_one_site_with_a_unique_signature():
+    for rel in KERNEL_FILES:
+        source = (ROOT / rel).read_text()
+        mutants = mutants_of(ROOT, rel)
+        assert mutants, f"{rel}: no mutation site found"
+        _edits(source, mutants)
+        signatures = [m.signature for m in mutants]
+        assert len(set(signatures)) == len(signatures), f"{rel}: two mutants share a signature"
+        if rel.endswith(".py"):
+            assert all(compiles(rel, m.apply(source)) for m in mutants), rel
+
+
+def test_sampling_is_seeded_and_keeps_file_order():
+    mutants = all_mutants(KERNEL_FILES)
+    a, b = sample(mutants, 25, seed=3), sample(mutants, 25, seed=3)
+    assert a == b and len(a) == 25 and a != sample(mutants, 25, seed=4)
+    assert a == sorted(a, key=mutants.index)
+    assert sample(mutants, None, 0) == mutants
+
+
+def test_reviewed_equivalents_name_existing_mutants_with_a_reason():
+    entries = json.loads(EQUIVALENT_FILE.read_text())
+    known = {m.signature for m in all_mutants(KERNEL_FILES)}
+    for e in entries:
+        assert e["signature"] in known, f"equivalent mutant {e['signature']} no longer exists: review the list"
+        assert len(e["reason"]) > 20, f"{e['signature']}: the reason must say why no output can change"
+    assert len({e["signature"] for e in entries}) == len(entries)
+
+
+def _mutant(rel: str, function: str, original: str, replacement: str) -> Mutant:
+    return next(m for m in mutants_of(ROOT, rel) if (m.function, m.original, m.replacement) == (function, original, replacement))
+
+
+@skip_inside_nested_run
+def test_a_caught_mutant_is_killed_and_a_harmless_one_survives():
+    killed = _mutant("kernels/numpy/__init__.py", "rotate", "*", "+")  # RoPE's rotation: the unit rung sees it
+    harmless = _mutant("kernels/numpy/linear.py", "<module>", "18", "17")  # a block size: the same sums
+    results = {r["signature"]: r for r in run([killed, harmless], "numpy", ["unit"], jobs=2, timeout=600,
+                                              extra=["-k", "rope or layout"], log=lambda s: None)}
+    assert results[killed.signature]["outcome"] == "killed" and results[killed.signature]["rung"] == "unit"
+    assert results[harmless.signature]["outcome"] == "survived"
+    assert (ROOT / "kernels/numpy/__init__.py").read_text().count("def rotate") == 1  # the checkout is untouched
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--rungs", "unit,typo"], "--rungs"),
+    (["--files", "kernels/nowhere/*.py"], "--files"),
+    (["--baseline", "no-such-folder"], "--baseline"),
+    (["--sample", "0"], "--sample"),
+])
+def test_bad_mutate_arguments_are_one_line_and_exit_2(args, needle, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "ladder", "mutate", *args], cwd=tmp_path, capture_output=True, text=True,
+                       env=child_env("numpy"), timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
