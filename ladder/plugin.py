@@ -10,7 +10,10 @@ Loaded by the repository's root conftest.py, or with `-p ladder.plugin` from an 
   accelerator: cuda) turns that skip into a failure. Tests on such a backend also carry the `gpu` marker.
   Backends come from the registry of kernels/ (`backend_names`, `backend_available`,
   `backend_needs_device`); nothing here tests a backend's name.
-- `--quant FORMAT|all` picks the quantization formats the `quant_format` fixture runs over.
+- `--quant FORMAT|all` picks the quantization formats the `quant_format` fixture runs over, and the
+  formats the model-bound tests (`model_path`) run in: the default model or a Hugging Face folder
+  converted to each, a `.nanoqwen` file in its own. A backend without a format's kernels fails those
+  tests, counted as UNSUPPORTED in the summary and the JSON.
 - `--plant-fault NAME[@LAYER]` wraps one op of every Backend object with a fault from ladder/faults.py.
 - `--update-golden` regenerates the golden activations (once per format, before the tests, on the controller).
 - Hypothesis profiles `ci` (the default: quick, derandomized) and `nightly` (thorough), chosen with

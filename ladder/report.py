@@ -19,15 +19,16 @@ BASELINE_GROWTH = 1.5  # an op's worst multiple of its noise floor may grow this
 
 
 def merge(rung_results: dict[str, dict], meta: dict) -> dict:
-    ops, calls, failures, rungs, skips = [], [], [], {}, {}
+    ops, calls, failures, rungs, skips, unsupported = [], [], [], {}, {}, []
     for rung, data in rung_results.items():
+        unsupported += [{**u, "rung": rung} for u in data.get("unsupported", [])]
         rungs[rung] = {**data.get("rungs", {}).get(rung, {}), "exit": data.get("exit"), "seconds": data.get("seconds")}
         skips[rung] = data.get("skips", {}).get(rung, {})
         ops += [o for o in data.get("ops", []) if o["rung"] == rung]
         calls += [c for c in data.get("calls", []) if c["rung"] == rung]
         failures += data.get("failures", [])
     return {"meta": meta, "rungs": rungs, "skips": skips, "ops": ops, "calls": calls, "failures": failures,
-            "coverage": coverage(calls), "graph": graph_section(rung_results)}
+            "unsupported": unsupported, "coverage": coverage(calls), "graph": graph_section(rung_results)}
 
 
 def graph_section(rung_results: dict[str, dict]) -> dict:
@@ -101,6 +102,10 @@ def markdown(report: dict) -> str:
                 lines.append(f"| {b} | {op} | {', '.join(rungs) if rungs else '**none: a finding**'} |")
     if report.get("regressions"):
         lines += ["", "## Regressions against the baseline", "", *[f"- {r}" for r in report["regressions"]]]
+    if report.get("unsupported"):
+        lines += ["", "## Unsupported formats (failed, never passed)", "",
+                  *[f"- {u['rung']}: backend `{u['backend']}` has no kernel for format `{u['format']}` ({u['tests']} tests)"
+                    for u in report["unsupported"]]]
     if report["failures"]:
         lines += ["", "## Failures", "", *[f"- `{f}`" for f in report["failures"]]]
     return "\n".join(lines) + "\n"
