@@ -76,7 +76,7 @@ def test_inspect_loads_no_test_part(model_file):
     assert of_parts(modules, TEST_PARTS + HEAVY) == []
 
 
-@pytest.mark.parametrize("command", ["ladder", "bisect", "descend", "bench"])
+@pytest.mark.parametrize("command", sorted(COMMANDS))
 def test_another_command_imports_its_own_module_only(command):
     code = ("import json, sys\nfrom engine.cli import build_parser\n"
             f"build_parser({command!r})\n"

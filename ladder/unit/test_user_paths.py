@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.cli import COMMANDS
 from ladder.nested import child_env, skip_inside_nested_run
 
 REPO = Path(__file__).resolve().parents[2]
@@ -62,7 +63,7 @@ def user_models(tmp_path_factory):
     return with_tok, without_tok
 
 
-@pytest.mark.parametrize("command", ["ladder", "generate", "convert", "inspect", "bench", "descend", "bisect"])
+@pytest.mark.parametrize("command", ["generate", "convert", "inspect", *COMMANDS])
 def test_installed_command_line_knows_every_subcommand(tmp_path, command):
     r = nanoqwen(command, "--help", cwd=tmp_path, timeout=120)
     assert r.returncode == 0 and "usage: nanoqwen" in r.stdout, r.stderr[-2000:]
