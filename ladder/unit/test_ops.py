@@ -215,6 +215,7 @@ def _check_attention(backend, op: str, c: PagedCase):
 @example(c=PagedCase.build(seed=2, L=17, T=1, nq=8, nkv=2, d=64, layout="sparse"))  # one slot into a second page
 @example(c=PagedCase.build(seed=3, L=33, T=1, nq=6, nkv=1, d=128, layout="shuffled"))
 @example(c=PagedCase.build(seed=4, L=32, T=1, nq=7, nkv=1, d=64, layout="shuffled", scale=4.0))  # large scores
+@example(c=PagedCase.build(seed=5, L=300, T=1, nq=28, nkv=4, d=128, layout="shuffled", scale=8.0))  # scores of std 64
 def test_attention_decode_reads_exactly_the_valid_keys(backend, c):
     _check_attention(backend, "attention_decode", c)
 
@@ -224,6 +225,7 @@ def test_attention_decode_reads_exactly_the_valid_keys(backend, c):
 @example(c=PagedCase.build(seed=1, L=17, T=17, nq=4, nkv=2, d=64, layout="shuffled"))  # whole prompt, crossing a page
 @example(c=PagedCase.build(seed=2, L=33, T=3, nq=14, nkv=2, d=64, layout="sparse"))  # a chunk after a cached prefix
 @example(c=PagedCase.build(seed=3, L=48, T=32, nq=28, nkv=4, d=128, layout="shuffled"))
+@example(c=PagedCase.build(seed=4, L=200, T=24, nq=28, nkv=4, d=128, layout="sparse", scale=8.0))  # scores of std 64
 def test_attention_prefill_is_causal_over_pages(backend, c):
     _check_attention(backend, "attention_prefill", c)
 
