@@ -181,6 +181,16 @@ def test_e4m3_decode_matches_the_bit_fields_and_torch_for_all_256_codes():
     assert ours[0x7E] == FP8_MAX and ours[0x01] == 2.0**-9 and ours[0x08] == 2.0**-6
 
 
+def test_every_e4m3_code_reads_the_same_three_ways():
+    """All 256 codes, NaN codes included (a quantizer never writes them, a file may hold them)."""
+    codes = np.arange(256, dtype=np.uint8).reshape(16, 16)
+    t = {"qweight": codes, "scales": np.full(16, 0.5, dtype=np.float16)}
+    engine_w = get_format("fp8_e4m3_channel").dequantize(t)
+    assert np.isnan(engine_w).sum() == 2
+    assert np.array_equal(_numpy_kernel("fp8_e4m3_channel").dequantize(t), engine_w, equal_nan=True)
+    assert np.array_equal(REF_DEQUANT["fp8_e4m3_channel"](t), engine_w.astype(np.float64), equal_nan=True)
+
+
 def _grid_and_midpoints() -> np.ndarray:
     values = np.unique(decode_e4m3(np.arange(256, dtype=np.uint8))[~np.isnan(decode_e4m3(np.arange(256, dtype=np.uint8)))])
     v64 = values.astype(np.float64)
