@@ -2,7 +2,7 @@
 
     nanoqwen mutate [--backend numpy|cuda] [--files PATTERN,...] [--sample N] [--seed S]
                     [--rungs unit,layer,graph] [-j WORKERS] [--timeout SECONDS] [--report DIR]
-                    [--baseline DIR] [--list] [-- PYTEST ARGS]
+                    [--baseline DIR] [--rerun DIR] [--list] [-- PYTEST ARGS]
 
 Each mutant (ladder/mutants.py: one small edit to one kernel source) is written into a private copy
 of the checkout, and the rungs run against it on the chosen backend, cheapest first, each with `-x`:
@@ -20,7 +20,8 @@ the tree and, on a GPU, their own CuPy kernel cache; the copy's tests run with t
 (ladder/nested.py), so tests that start ladders of their own skip instead of recursing. The report
 folder gets `mutate.json` and `mutate.md`: per file and per kernel function, the counts and the score;
 every survivor with file:line and its edit; with `--baseline DIR`, the score change per file and the
-mutants killed there that survive here.
+mutants killed there that survive here. `--rerun DIR` runs only the survivors of an earlier report:
+the check that a strengthened rung now kills them.
 """
 
 from __future__ import annotations
@@ -196,14 +197,17 @@ def summarize(results: list[dict], equivalents: dict[str, dict]) -> dict:
 
 
 def compare(current: dict, baseline: dict) -> dict:
-    """Per file, the score here and in the baseline; the mutants the baseline killed that survive here."""
+    """Per file, the score here and in the baseline; the mutants the baseline killed that survive here,
+    and those it let survive that are killed here."""
     old = {r["signature"]: r["outcome"] for r in baseline.get("mutants", [])}
     regressed = [r for r in current["mutants"] if r["outcome"] == "survived" and old.get(r["signature"]) in DETECTED]
+    fixed = [r for r in current["mutants"] if r["outcome"] in DETECTED and old.get(r["signature"]) == "survived"]
     files = {}
     for f, row in current["summary"]["files"].items():
         before = baseline.get("summary", {}).get("files", {}).get(f, {}).get("score")
         files[f] = {"score": row["score"], "baseline": before}
-    return {"files": files, "newly_surviving": [r["signature"] for r in regressed]}
+    return {"files": files, "newly_surviving": [r["signature"] for r in regressed],
+            "newly_killed": [r["signature"] for r in fixed]}
 
 
 def _pct(x) -> str:
@@ -237,6 +241,8 @@ def markdown(report: dict) -> str:
         lines += [f"| {f} | {_pct(r['score'])} | {_pct(r['baseline'])} |" for f, r in b["files"].items()]
         lines += ["", f"Killed in the baseline, surviving here: {len(b['newly_surviving'])}", ""]
         lines += [f"- `{sig}`" for sig in b["newly_surviving"]]
+        lines += ["", f"Surviving in the baseline, killed here: {len(b['newly_killed'])}", ""]
+        lines += [f"- `{sig}`" for sig in b["newly_killed"]]
     return "\n".join(lines) + "\n"
 
 
@@ -252,13 +258,8 @@ def _run(args) -> int:
         if bad or not rungs:
             raise MutateArgumentError(f"--rungs {args.rungs}: each must be one of {', '.join(RUNGS)}")
         files = kernel_files(args.files.split(",") if args.files else DEFAULT_FILES.get(args.backend, ()))
-        baseline = None
-        if args.baseline:
-            path = Path(args.baseline) / "mutate.json"
-            try:
-                baseline = json.loads(path.read_text())
-            except (OSError, ValueError) as e:
-                raise MutateArgumentError(f"--baseline {args.baseline}: cannot read {path.name} ({e})") from None
+        baseline = _earlier_report("--baseline", args.baseline) if args.baseline else None
+        rerun = _earlier_report("--rerun", args.rerun) if args.rerun else None
         ok, why = backend_available(args.backend)
         if not ok and not args.list:
             raise MutateArgumentError(f"--backend {args.backend}: cannot run here ({why})")
@@ -274,6 +275,9 @@ def _run(args) -> int:
     candidates = all_mutants(files)
     equivalents = {m.signature: {**m.record(), "reason": reviewed[m.signature]} for m in candidates if m.signature in reviewed}
     runnable = [m for m in candidates if m.signature not in reviewed]
+    if rerun is not None:
+        survivors = {r["signature"] for r in rerun.get("mutants", []) if r["outcome"] == "survived"}
+        runnable = [m for m in runnable if m.signature in survivors]
     chosen = sample(runnable, args.sample, args.seed)
     if args.list:
         for m in chosen:
@@ -300,6 +304,14 @@ def _run(args) -> int:
     return 0
 
 
+def _earlier_report(option: str, folder: str) -> dict:
+    path = Path(folder) / "mutate.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise MutateArgumentError(f"{option} {folder}: cannot read {path.name} ({e})") from None
+
+
 def register(subparsers) -> None:
     """Add the `mutate` subcommand to the `nanoqwen` parser's subparsers."""
     from kernels import backend_names
@@ -319,6 +331,8 @@ def register(subparsers) -> None:
     m.add_argument("--timeout", type=float, default=900.0, metavar="SECONDS", help="per rung and mutant (default 900)")
     m.add_argument("--report", metavar="DIR", help="report folder (default reports/mutate-TIMESTAMP)")
     m.add_argument("--baseline", metavar="DIR", help="an earlier report folder to compare with")
+    m.add_argument("--rerun", metavar="DIR", help="run only the mutants that survived in an earlier report (after "
+                   "strengthening the rungs); with --baseline DIR too, the report shows which are now killed")
     m.add_argument("--list", action="store_true", help="list the chosen mutants and stop")
     m.add_argument("pytest_args", nargs="*", metavar="-- PYTEST ARGS", help="passed to every rung's pytest")
     m.set_defaults(func=_run)

@@ -150,6 +150,7 @@ def test_a_caught_mutant_is_killed_and_a_harmless_one_survives():
     (["--rungs", "unit,typo"], "--rungs"),
     (["--files", "kernels/nowhere/*.py"], "--files"),
     (["--baseline", "no-such-folder"], "--baseline"),
+    (["--rerun", "no-such-folder"], "--rerun"),
     (["--sample", "0"], "--sample"),
 ])
 def test_bad_mutate_arguments_are_one_line_and_exit_2(args, needle, tmp_path):
