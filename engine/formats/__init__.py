@@ -90,6 +90,23 @@ class Format:
             raise ValueError(why)
 
 
+class RowScaledFormat(Format):
+    """A format that stores one value per weight, row-major, in `qweight`, and one fp16 scale per output
+    row in `scales` (int8_sym_channel, fp8_e4m3_channel): the fault edits are the same for all of them."""
+
+    def swap_pair(self, tensors):
+        t = {k: np.array(v, copy=True) for k, v in tensors.items()}
+        t["qweight"][:, [0, 1]] = t["qweight"][:, [1, 0]]
+        return t
+
+    def shift_scale(self, tensors):
+        """The last row takes the scale of the row before it (one row: no change)."""
+        t = {k: np.array(v, copy=True) for k, v in tensors.items()}
+        if t["scales"].shape[0] > 1:
+            t["scales"][-1] = t["scales"][-2]
+        return t
+
+
 FORMATS: dict[str, Format] = {}
 
 

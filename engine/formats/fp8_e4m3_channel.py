@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.formats import Format, register
+from engine.formats import RowScaledFormat, register
 
 FP8_MAX = 448.0
 NAN_CODE = 0x7F
@@ -68,7 +68,7 @@ def encode_e4m3(v: np.ndarray) -> np.ndarray:
     return code.astype(np.uint8)
 
 
-class Fp8E4m3Channel(Format):
+class Fp8E4m3Channel(RowScaledFormat):
     name = "fp8_e4m3_channel"
     suffixes = (".qweight", ".scales")
     in_multiple = 16  # the kernels read a row in 16-byte loads (16 weights)
@@ -98,18 +98,6 @@ class Fp8E4m3Channel(Format):
         v = np.abs(decode_e4m3(tensors["qweight"]).astype(np.float64))
         e = np.floor(np.log2(np.maximum(v, 2.0**-6)))
         return np.exp2(e - 3) * np.asarray(tensors["scales"], dtype=np.float64)[:, None]
-
-    def swap_pair(self, tensors):
-        t = {k: np.array(v, copy=True) for k, v in tensors.items()}
-        t["qweight"][:, [0, 1]] = t["qweight"][:, [1, 0]]
-        return t
-
-    def shift_scale(self, tensors):
-        """The last row takes the scale of the row before it (one row: no change)."""
-        t = {k: np.array(v, copy=True) for k, v in tensors.items()}
-        if t["scales"].shape[0] > 1:
-            t["scales"][-1] = t["scales"][-2]
-        return t
 
 
 FORMAT = register(Fp8E4m3Channel())

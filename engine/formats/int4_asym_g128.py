@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.formats import Format, register
-from engine.formats.int4_sym_g128 import pack, unpack
+from engine.formats.int4_sym_g128 import Int4SymG128, pack, unpack
 
 GROUP = 128
 MAGIC = 0x6400  # fp16 1024.0: its ulp is 1, so 0x6400 | n is the fp16 number 1024 + n (n < 1024)
@@ -92,13 +92,7 @@ class Int4AsymG128(Format):
     def step(self, tensors):
         return np.repeat(unpack_scale_zero(tensors["scale_zero"])[0].astype(np.float64), GROUP, axis=1)
 
-    def swap_pair(self, tensors):
-        """Elements 0 and 1 of every row trade places: the low and high halves of word 0's pair 0."""
-        t = {k: np.array(v, copy=True) for k, v in tensors.items()}
-        w = t["qweight"][:, 0]
-        lo, hi = w & np.uint32(0xF), (w >> np.uint32(16)) & np.uint32(0xF)
-        t["qweight"][:, 0] = (w & ~np.uint32(0x000F000F)) | hi | (lo << np.uint32(16))
-        return t
+    swap_pair = Int4SymG128.swap_pair  # the same words: the pair (0, 1) is the halves of word 0's pair 0
 
     def shift_scale(self, tensors):
         """The last group of every row takes the scale and zero point of the group before it."""

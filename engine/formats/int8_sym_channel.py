@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.formats import Format, register
+from engine.formats import RowScaledFormat, register
 
 QMAX = 127
 
 
-class Int8SymChannel(Format):
+class Int8SymChannel(RowScaledFormat):
     name = "int8_sym_channel"
     suffixes = (".qweight", ".scales")
     in_multiple = 16  # the kernels read a row in 16-byte loads (16 weights)
@@ -48,18 +48,6 @@ class Int8SymChannel(Format):
     def step(self, tensors):
         s = np.asarray(tensors["scales"], dtype=np.float64)[:, None]
         return np.broadcast_to(s, np.shape(tensors["qweight"]))
-
-    def swap_pair(self, tensors):
-        t = {k: np.array(v, copy=True) for k, v in tensors.items()}
-        t["qweight"][:, [0, 1]] = t["qweight"][:, [1, 0]]
-        return t
-
-    def shift_scale(self, tensors):
-        """The last row takes the scale of the row before it (one row: no change)."""
-        t = {k: np.array(v, copy=True) for k, v in tensors.items()}
-        if t["scales"].shape[0] > 1:
-            t["scales"][-1] = t["scales"][-2]
-        return t
 
 
 FORMAT = register(Int8SymChannel())

@@ -32,22 +32,13 @@ def _decode_table() -> np.ndarray:
 E4M3 = _decode_table()
 
 
-def _rows(q: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    return E4M3[q] * scales.astype(np.float32)[:, None]
+def rows(t: dict, r0: int, r1: int) -> np.ndarray:
+    """fp32 rows r0 .. r1-1: the e4m3 value * the row's scale."""
+    return E4M3[t["qweight"][r0:r1]] * t["scales"][r0:r1].astype(np.float32)[:, None]
 
 
 def dequantize(tensors: dict) -> np.ndarray:
-    return _rows(tensors["qweight"], tensors["scales"])
+    return rows(tensors, 0, len(tensors["qweight"]))
 
 
-def repack(tensors: dict, fp32: bool) -> dict:
-    return linear.fp32_transposed(dequantize(tensors)) if fp32 else {}
-
-
-def repacked_nbytes(out_features: int, in_features: int, fp32: bool) -> int:
-    return out_features * in_features * 4 if fp32 else 0
-
-
-def matmul(x: np.ndarray, w) -> np.ndarray:
-    t = w.tensors
-    return linear.matmul(x, w, lambda r0, r1: _rows(t["qweight"][r0:r1], t["scales"][r0:r1]))
+repack, repacked_nbytes, matmul = linear.row_kernels(rows)

@@ -22,7 +22,9 @@ def _fp16(bits: np.ndarray) -> np.ndarray:
     return bits.astype(np.uint16).view(np.float16).astype(np.float32)
 
 
-def _rows(qweight: np.ndarray, scale_zero: np.ndarray) -> np.ndarray:
+def rows(t: dict, r0: int, r1: int) -> np.ndarray:
+    """fp32 rows r0 .. r1-1: (1024 + q) - (1024 + z), times the group's scale."""
+    qweight, scale_zero = t["qweight"][r0:r1], t["scale_zero"][r0:r1]
     out_f, n_words = qweight.shape
     biased = np.empty((out_f, n_words, 8), dtype=np.float32)  # 1024 + q, as the fp16 the GPU builds
     for k in range(4):
@@ -37,17 +39,7 @@ def _rows(qweight: np.ndarray, scale_zero: np.ndarray) -> np.ndarray:
 
 
 def dequantize(tensors: dict) -> np.ndarray:
-    return _rows(tensors["qweight"], tensors["scale_zero"])
+    return rows(tensors, 0, len(tensors["qweight"]))
 
 
-def repack(tensors: dict, fp32: bool) -> dict:
-    return linear.fp32_transposed(dequantize(tensors)) if fp32 else {}
-
-
-def repacked_nbytes(out_features: int, in_features: int, fp32: bool) -> int:
-    return out_features * in_features * 4 if fp32 else 0
-
-
-def matmul(x: np.ndarray, w) -> np.ndarray:
-    t = w.tensors
-    return linear.matmul(x, w, lambda r0, r1: _rows(t["qweight"][r0:r1], t["scale_zero"][r0:r1]))
+repack, repacked_nbytes, matmul = linear.row_kernels(rows)

@@ -14,22 +14,13 @@ from kernels.numpy import linear
 FORMAT = "int8_sym_channel"
 
 
-def _rows(q: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    return q.astype(np.float32) * scales.astype(np.float32)[:, None]
+def rows(t: dict, r0: int, r1: int) -> np.ndarray:
+    """fp32 rows r0 .. r1-1: q * the row's scale."""
+    return t["qweight"][r0:r1].astype(np.float32) * t["scales"][r0:r1].astype(np.float32)[:, None]
 
 
 def dequantize(tensors: dict) -> np.ndarray:
-    return _rows(tensors["qweight"], tensors["scales"])
+    return rows(tensors, 0, len(tensors["qweight"]))
 
 
-def repack(tensors: dict, fp32: bool) -> dict:
-    return linear.fp32_transposed(dequantize(tensors)) if fp32 else {}
-
-
-def repacked_nbytes(out_features: int, in_features: int, fp32: bool) -> int:
-    return out_features * in_features * 4 if fp32 else 0
-
-
-def matmul(x: np.ndarray, w) -> np.ndarray:
-    t = w.tensors
-    return linear.matmul(x, w, lambda r0, r1: _rows(t["qweight"][r0:r1], t["scales"][r0:r1]))
+repack, repacked_nbytes, matmul = linear.row_kernels(rows)

@@ -1,7 +1,8 @@
 """The quantized linear on the NumPy backend, for every format: `x @ W.T` in fp32 from a format's rows.
 
 Each format's kernel module (`kernels/numpy/<format>.py`, found by name) reads its own stored tensors
-into fp32 rows; this module holds what the formats share (docs/BACKEND.md, "Repacking"):
+into fp32 rows; this module holds what the formats share (docs/BACKEND.md, "Repacking"), and
+`row_kernels(rows)` gives a format with nothing to repack past the budget its repack, size and matmul:
 
 - `wt_f32`: the whole weight dequantized once, at load, transposed: float32 `[in, out]`, C order. One
   BLAS call per op (`x @ wt`, which OpenBLAS ran up to 40% faster than `x @ w.T` at the 0.5 B shapes).
@@ -41,3 +42,23 @@ def matmul(x: np.ndarray, w, rows: Callable[[int, int], np.ndarray]) -> np.ndarr
         r1 = min(out_f, r0 + step)
         y[:, r0:r1] = xf @ rows(r0, r1).T
     return y
+
+
+def row_kernels(rows: Callable[[dict, int, int], np.ndarray]):
+    """(repack, repacked_nbytes, matmul) of a format whose stored bytes need no repacking past the budget
+    (its module's `rows(tensors, r0, r1)`: the fp32 reading of rows r0 .. r1-1)."""
+
+    def repack(tensors: dict, fp32: bool) -> dict:
+        return fp32_transposed(rows(tensors, 0, _n_rows(tensors))) if fp32 else {}
+
+    def repacked_nbytes(out_features: int, in_features: int, fp32: bool) -> int:
+        return out_features * in_features * 4 if fp32 else 0
+
+    def matmul_(x: np.ndarray, w) -> np.ndarray:
+        return matmul(x, w, lambda r0, r1: rows(w.tensors, r0, r1))
+
+    return repack, repacked_nbytes, matmul_
+
+
+def _n_rows(tensors: dict) -> int:
+    return len(next(iter(tensors.values())))
