@@ -11,6 +11,7 @@ table or of a table that can change.
 from __future__ import annotations
 
 import gc
+import weakref
 
 import numpy as np
 import pytest
@@ -143,6 +144,26 @@ def test_lm_head_never_serves_the_copy_of_a_freed_table():
         del table
         gc.collect()
         assert be.repacked_bytes == 0  # the freed table's copy went with it
+
+
+def test_a_stale_cache_entry_under_a_reused_id_is_dropped_and_its_bytes_returned():
+    """The entry of a freed table whose weakref callback has not run yet (no CPython run shows it: the
+    callback runs at the free) is found under the id a new table got: its copy must not be served, and
+    its bytes go back to the budget before the new table's are taken."""
+    rng = rng_for(8)
+    be = NumpyBackend()
+    x = fp16(rng, (1, 128))
+    table = _read_only(fp16(rng, (300, 128), 0.2))
+    gone = _read_only(np.zeros((1, 1), np.float16))
+    stale_ref = weakref.ref(gone)
+    del gone  # a dead reference, as the freed table's would be
+    stale = np.full((128, 500), np.nan, np.float32)
+    be._tables[id(table)] = (stale_ref, stale)
+    be.repacked_bytes = stale.nbytes  # what the stale copy still holds of the budget
+    out = _logits(be, x, table)
+    assert_close("lm_head", out, ref_ops.ref_lm_head(x, table), ref_ops.ref_lm_head(x, table, dtype=F32), backend="numpy",
+                 case="a stale entry under the table's id")
+    assert be.repacked_bytes == table.size * 4, "the stale copy's bytes were not returned, or the new ones not taken"
 
 
 def test_lm_head_widens_per_call_a_table_that_can_change():
