@@ -6,7 +6,7 @@
 // The loader pastes this file in place of `#include "common.cuh"` so that CuPy's kernel cache, which
 // hashes the source text it is given, sees every change made here.
 //
-// Mirrors kernels/numpy/int4.py (the unpack) and the fp32-accumulation contract of docs/ARCHITECTURE.md.
+// Mirrors kernels/numpy/int4_sym_g128.py (the unpack) and the fp32-accumulation contract of docs/ARCHITECTURE.md.
 // The loader inlines every `#include "x.cuh"` of this folder once per module, so a header that includes
 // this one (gemv_rows.cuh) and a module that includes both get one copy.
 #pragma once

@@ -9,7 +9,7 @@
 // The launcher is kernels/cuda/int4_sym_g128.py (LINEAR): it picks a GEMV variant per op and names the
 // entry points int4_gemv_<epilogue>_<variant>.
 //
-// Mirrors kernels/numpy/int4.py (unpack, fp32 accumulation) and the ops of kernels/numpy/__init__.py.
+// Mirrors kernels/numpy/int4_sym_g128.py (unpack, fp32 accumulation) and the ops of kernels/numpy/__init__.py.
 //
 // GEMV work split: a block of THREADS threads owns R accumulator rows (gate/up: R/2 gate rows and the
 // same R/2 up rows) across the WHOLE input dimension (split-K inside the block, so even the 3584-row o
