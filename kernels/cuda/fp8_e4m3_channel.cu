@@ -35,25 +35,12 @@ __device__ __forceinline__ void e4m3_pairs(u32 word, u32 (&h)[2]) {
 
 // ---- the decoder of gemv_rows.cuh -------------------------------------------------------------------
 
-// fp8_e4m3_channel: qweight uint8 e4m3 [out, in] row-major, scales fp16 [out]. A chunk is 16 weights.
-struct DecodeFp8E4m3Channel {
-    static constexpr int ELEMS = 16;
-    typedef f16_bits Scale;
-    typedef int Aux;
-    __device__ static __forceinline__ int aux(const Scale*, int, int, int) { return 0; }
-    __device__ static __forceinline__ float accumulate(float acc, const uint4& w, const float (&xf)[ELEMS], int) {
-        const u32 words[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            u32 h[2];
-            e4m3_pairs(words[i], h);
-            acc = fma_pair(h[0], xf[4 * i], xf[4 * i + 1], acc);
-            acc = fma_pair(h[1], xf[4 * i + 2], xf[4 * i + 3], acc);
-        }
-        return acc;
-    }
-    __device__ static __forceinline__ float finish(float total, const Scale* s, int row) { return total * h2f(__ldg(s + row)); }
+// fp8_e4m3_channel: qweight uint8 e4m3 [out, in] row-major, scales fp16 [out]: gemv_rows.cuh's decoder for
+// one byte a weight and a scale a row, with this format's unpack.
+struct E4m3Bytes {
+    __device__ static __forceinline__ void pairs(u32 word, u32 (&h)[2]) { e4m3_pairs(word, h); }
 };
+typedef DecodeRowScaledBytes<E4m3Bytes> DecodeFp8E4m3Channel;
 
 
 extern "C" __global__ void __launch_bounds__(64) fp8_e4m3_channel_gemv_bias_f16_t64_r4(

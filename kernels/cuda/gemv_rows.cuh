@@ -38,6 +38,32 @@ __device__ __forceinline__ float fma_pair(u32 wpair, float x0, float x1, float a
     return fmaf(w1, x1, acc);
 }
 
+// ---- a decoder for one byte a weight and an fp16 scale a row -----------------------------------------
+
+// qweight: one byte per weight, [out, in] row-major; scales: fp16 [out]. A chunk is 16 weights; the
+// format says how a 32-bit word of 4 bytes becomes two half2 of exact values (Bytes::pairs: h[0] =
+// elements 0, 1 and h[1] = elements 2, 3), and the row's fp32 total is multiplied once by its scale.
+// int8_sym_channel.cu and fp8_e4m3_channel.cu differ only in that unpack.
+template <class Bytes>
+struct DecodeRowScaledBytes {
+    static constexpr int ELEMS = 16;
+    typedef f16_bits Scale;
+    typedef int Aux;
+    __device__ static __forceinline__ int aux(const Scale*, int, int, int) { return 0; }
+    __device__ static __forceinline__ float accumulate(float acc, const uint4& w, const float (&xf)[ELEMS], int) {
+        const u32 words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            u32 h[2];
+            Bytes::pairs(words[i], h);
+            acc = fma_pair(h[0], xf[4 * i], xf[4 * i + 1], acc);
+            acc = fma_pair(h[1], xf[4 * i + 2], xf[4 * i + 3], acc);
+        }
+        return acc;
+    }
+    __device__ static __forceinline__ float finish(float total, const Scale* s, int row) { return total * h2f(__ldg(s + row)); }
+};
+
 // ---- the GEMV body ------------------------------------------------------------------------------
 
 // Weight row of accumulator a of a block whose first output row is row0: rows past the end are clamped

@@ -37,25 +37,12 @@ __device__ __forceinline__ void int8_pairs(u32 word, u32 (&h)[2]) {
 
 // ---- the decoder of gemv_rows.cuh -------------------------------------------------------------------
 
-// int8_sym_channel: qweight int8 [out, in] row-major, scales fp16 [out]. A chunk is 16 weights.
-struct DecodeInt8SymChannel {
-    static constexpr int ELEMS = 16;
-    typedef f16_bits Scale;
-    typedef int Aux;
-    __device__ static __forceinline__ int aux(const Scale*, int, int, int) { return 0; }
-    __device__ static __forceinline__ float accumulate(float acc, const uint4& w, const float (&xf)[ELEMS], int) {
-        const u32 words[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            u32 h[2];
-            int8_pairs(words[i], h);
-            acc = fma_pair(h[0], xf[4 * i], xf[4 * i + 1], acc);
-            acc = fma_pair(h[1], xf[4 * i + 2], xf[4 * i + 3], acc);
-        }
-        return acc;
-    }
-    __device__ static __forceinline__ float finish(float total, const Scale* s, int row) { return total * h2f(__ldg(s + row)); }
+// int8_sym_channel: qweight int8 [out, in] row-major, scales fp16 [out]: gemv_rows.cuh's decoder for
+// one byte a weight and a scale a row, with this format's unpack.
+struct Int8Bytes {
+    __device__ static __forceinline__ void pairs(u32 word, u32 (&h)[2]) { int8_pairs(word, h); }
 };
+typedef DecodeRowScaledBytes<Int8Bytes> DecodeInt8SymChannel;
 
 
 extern "C" __global__ void __launch_bounds__(64) int8_sym_channel_gemv_bias_f16_t64_r4(
