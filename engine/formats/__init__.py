@@ -91,8 +91,40 @@ class Format:
 
 
 class RowScaledFormat(Format):
-    """A format that stores one value per weight, row-major, in `qweight`, and one fp16 scale per output
-    row in `scales` (int8_sym_channel, fp8_e4m3_channel): the fault edits are the same for all of them."""
+    """A format that stores one value per weight, row-major, in `qweight` (dtype `qweight_dtype`), and one
+    fp16 scale per output row in `scales` (int8_sym_channel, fp8_e4m3_channel). Each row's scale maps its
+    max |w| onto `qmax`; the format says only how a scaled value is encoded and decoded."""
+
+    qweight_dtype: str = ""
+    qmax: float = 0.0  # the largest magnitude a stored value holds
+
+    def encode(self, v: np.ndarray) -> np.ndarray:
+        """float32 scaled values (|v| <= qmax) -> the stored `qweight` values."""
+        raise NotImplementedError
+
+    def decode(self, qweight: np.ndarray) -> np.ndarray:
+        """Stored `qweight` values -> float32 values (exact)."""
+        raise NotImplementedError
+
+    def tensor_specs(self, out_features: int, in_features: int):
+        return {".qweight": (self.qweight_dtype, (out_features, in_features)), ".scales": ("float16", (out_features,))}
+
+    def quantize(self, w: np.ndarray) -> dict[str, np.ndarray]:
+        w = np.asarray(w, dtype=np.float32)
+        self._check_shape(w)
+        self._check_finite(w)
+        with np.errstate(over="ignore"):
+            scales = (np.abs(w).max(axis=1) / np.float32(self.qmax)).astype(np.float16)
+        if not np.isfinite(scales).all():
+            q = int(self.qmax)
+            raise ValueError(f"a row's max |w| / {q} overflows fp16 (|w| > {65504 * q}); {self.name} cannot hold it")
+        s32 = scales.astype(np.float32)[:, None]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            v = np.where(s32 > 0, w / s32, np.float32(0)).astype(np.float32)  # 0 where the scale is 0
+        return {"qweight": self.encode(v), "scales": scales}
+
+    def dequantize(self, tensors: dict[str, np.ndarray]) -> np.ndarray:
+        return self.decode(tensors["qweight"]) * np.asarray(tensors["scales"]).astype(np.float32)[:, None]
 
     def swap_pair(self, tensors):
         t = {k: np.array(v, copy=True) for k, v in tensors.items()}

@@ -74,24 +74,14 @@ class Fp8E4m3Channel(RowScaledFormat):
     in_multiple = 16  # the kernels read a row in 16-byte loads (16 weights)
     describes = "FP8 E4M3 (e4m3fn), an fp16 scale per output row (W8A16)"
 
-    def tensor_specs(self, out_features: int, in_features: int):
-        return {".qweight": ("uint8", (out_features, in_features)), ".scales": ("float16", (out_features,))}
+    qweight_dtype = "uint8"
+    qmax = FP8_MAX
 
-    def quantize(self, w: np.ndarray) -> dict[str, np.ndarray]:
-        w = np.asarray(w, dtype=np.float32)
-        self._check_shape(w)
-        self._check_finite(w)
-        with np.errstate(over="ignore"):
-            scales = (np.abs(w).max(axis=1) / np.float32(FP8_MAX)).astype(np.float16)
-        if not np.isfinite(scales).all():
-            raise ValueError(f"a row's max |w| / 448 overflows fp16 (|w| > {65504 * 448}); {self.name} cannot hold it")
-        s32 = scales.astype(np.float32)[:, None]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            v = np.where(s32 > 0, w / s32, np.float32(0)).astype(np.float32)
-        return {"qweight": encode_e4m3(v), "scales": scales}
+    def encode(self, v: np.ndarray) -> np.ndarray:
+        return encode_e4m3(v)
 
-    def dequantize(self, tensors: dict[str, np.ndarray]) -> np.ndarray:
-        return decode_e4m3(tensors["qweight"]) * np.asarray(tensors["scales"]).astype(np.float32)[:, None]
+    def decode(self, qweight: np.ndarray) -> np.ndarray:
+        return decode_e4m3(qweight)
 
     def step(self, tensors):
         """The e4m3 grid step at each stored value, 2^(exponent - 3) (subnormals: 2^-9), times the row's scale."""

@@ -25,25 +25,14 @@ class Int8SymChannel(RowScaledFormat):
     in_multiple = 16  # the kernels read a row in 16-byte loads (16 weights)
     describes = "INT8 symmetric, an fp16 scale per output row (W8A16)"
 
-    def tensor_specs(self, out_features: int, in_features: int):
-        return {".qweight": ("int8", (out_features, in_features)), ".scales": ("float16", (out_features,))}
+    qweight_dtype = "int8"
+    qmax = QMAX
 
-    def quantize(self, w: np.ndarray) -> dict[str, np.ndarray]:
-        w = np.asarray(w, dtype=np.float32)
-        self._check_shape(w)
-        self._check_finite(w)
-        with np.errstate(over="ignore"):
-            scales = (np.abs(w).max(axis=1) / np.float32(QMAX)).astype(np.float16)
-        if not np.isfinite(scales).all():
-            raise ValueError(f"a row's max |w| / {QMAX} overflows fp16 (|w| > {65504 * QMAX}); {self.name} cannot hold it")
-        s32 = scales.astype(np.float32)[:, None]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            q = np.where(s32 > 0, np.rint(w / s32), 0.0)
-        return {"qweight": np.clip(q, -QMAX, QMAX).astype(np.int8), "scales": scales}
+    def encode(self, v: np.ndarray) -> np.ndarray:
+        return np.clip(np.rint(v), -QMAX, QMAX).astype(np.int8)  # rint ties to even; -128 is never stored
 
-    def dequantize(self, tensors: dict[str, np.ndarray]) -> np.ndarray:
-        q = np.asarray(tensors["qweight"]).astype(np.float32)
-        return q * np.asarray(tensors["scales"]).astype(np.float32)[:, None]
+    def decode(self, qweight: np.ndarray) -> np.ndarray:
+        return np.asarray(qweight).astype(np.float32)
 
     def step(self, tensors):
         s = np.asarray(tensors["scales"], dtype=np.float64)[:, None]
