@@ -123,18 +123,22 @@ def selected_formats(config) -> list[str]:
 
 def model_formats(config) -> list[str]:
     """The formats the model-bound tests (layer, graph, the engine's) run in: every selected one for the
-    default model or a Hugging Face folder (converted once per format); a .nanoqwen file's own."""
+    default model or a Hugging Face folder (converted once per format); a .nanoqwen file's own (its
+    header read once per session, not once per test function)."""
     names = selected_formats(config)
     spec = config.getoption("--model")
     if spec is None or Path(spec).is_dir():
         return names
-    from engine.errors import NanoqwenError
-    from engine.modelfile import ModelFile
+    if not hasattr(config, "_nanoqwen_model_quant"):
+        from engine.errors import NanoqwenError
+        from engine.modelfile import ModelFile
 
-    try:
-        quant = ModelFile(spec, verify_checksums=False).quant
-    except (NanoqwenError, OSError) as e:
-        raise pytest.UsageError(f"--model {spec}: {e}") from None
+        try:
+            with ModelFile(spec, verify_checksums=False) as mf:
+                config._nanoqwen_model_quant = mf.quant
+        except (NanoqwenError, OSError) as e:
+            raise pytest.UsageError(f"--model {spec}: {e}") from None
+    quant = config._nanoqwen_model_quant
     if config.getoption("--quant") not in ("all", quant):
         raise pytest.UsageError(f"--model {spec} is quantized as {quant}; to test it as "
                                 f"{config.getoption('--quant')}, give its Hugging Face folder")

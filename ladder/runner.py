@@ -103,16 +103,17 @@ def cmd_ladder(args) -> int:
         from engine.model import checked_config
         from engine.modelfile import ModelFile
 
-        if not Path(args.model).is_dir():
-            with ModelFile(args.model) as mf:
-                if args.quant not in ("all", mf.quant):
+        # a .nanoqwen file runs in its own format; a folder is converted to each selected one
+        one_file = not Path(args.model).is_dir()
+        model_files = [args.model] if one_file else [str(resolve_model(args.model, q)) for q in formats]
+        for path in model_files:
+            with ModelFile(path) as mf:  # a malformed model is one typed error (exit 2), not red rungs
+                if one_file and args.quant not in ("all", mf.quant):
                     raise LadderArgumentError(f"--model {args.model} is quantized as {mf.quant}; to test it as "
                                               f"{args.quant}, give its Hugging Face folder")
-                formats = [mf.quant]
-        for quant in formats:
-            model_files.append(str(resolve_model(args.model, quant)))
-            with ModelFile(model_files[-1]) as mf:  # a malformed model is one typed error (exit 2), not red rungs
                 checked_config(mf)
+                if one_file:
+                    formats = [mf.quant]
     if args.plant_fault:  # an unknown fault is the user's typo, not a red rung
         from ladder.faults import parse
 
