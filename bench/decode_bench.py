@@ -7,15 +7,16 @@ What it does, in order, on one GPU, with no checkpoint:
    this machine's: floor = bytes a decode step must read / copy rate;
 2. seeded random INT4 weights of the shape, made on the GPU (a hash of the tensor's name and index,
    so a rerun builds the same model);
-3. (optional) a sweep of the GEMV kernel variants per op, each checked against reference/ops.py (TOL),
-   times with cold weights (all layers in one graph);
+3. the decode step with the shipped defaults (`before`), then (optional) a sweep of the GEMV kernel
+   variants per op and of the decode-attention kernels, each checked against reference/ops.py (TOL),
+   times with cold weights (all layers in one graph), keeping the fastest that passes;
 4. correctness before any time is printed: greedy tokens of the captured graph == eager, and the first
    8 tokens agree with a float32 PyTorch run of the same dequantized weights (teacher-forced on the
    engine's tokens; a disagreement under the ladder's near-tie epsilon is a near-tie, anything else
    fails). A failed check prints FAIL and no times;
 5. the article's protocol: a 512-token prompt (TTFT: prefill + first token on the host), then 128
    greedy tokens through the fast graph loop (per-step times from CUDA events), and eager steps;
-6. a per-kernel table of one decode step at that context: each op replayed for every layer in one
+6. a per-kernel table of one decode step at that context (and one of the prefill, op by op): each op replayed for every layer in one
    graph (distinct weights and KV per layer, so nothing is served from L2 that a real step would not
    find there), time, bytes, share of the copy rate;
 7. peers, each in its own process with a time limit (bench/peers.py): HF transformers bf16 eager,
@@ -29,6 +30,7 @@ and writes the report.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
@@ -37,7 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.measure import build_model, copy_rate, per_kernel_table, prefilled, step_bytes, sweep_gemv
+from bench.measure import (build_model, copy_rate, per_kernel_table, prefill_table, prefilled, step_bytes,
+                           sweep_attention, sweep_gemv)
 
 ROOT = Path(__file__).resolve().parents[1]
 GROUP = 128
@@ -51,7 +54,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="reports/bench", help="folder for bench.json and bench.png")
     p.add_argument("--peers", default="hf,int4mm", help="comma list of hf, hf-compile, int4mm ('' for none)")
     p.add_argument("--peer-timeout", type=float, default=150.0, help="seconds per peer process")
-    p.add_argument("--no-sweep", action="store_true", help="skip the GEMV variant sweep")
+    p.add_argument("--no-sweep", action="store_true", help="skip the GEMV and attention variant sweeps")
+    p.add_argument("--no-before", action="store_true",
+                   help="skip the decode step and TTFT timed with the shipped defaults before the sweeps picked")
+    p.add_argument("--before-set", default="", metavar="KNOB=VALUE,...",
+                   help="backend settings for the 'before' run, e.g. attention_variant=block,"
+                        "attention_prefill_variant=block,prefill_variant.int4_sym_g128=mma (the previous kernels)")
     p.add_argument("--no-reference", action="store_true", help="skip the float32 PyTorch check (not recommended)")
 
 
@@ -187,6 +195,67 @@ def run_protocol(model, prompt, new_tokens):
     return out
 
 
+@contextlib.contextmanager
+def backend_settings(be, spec: str):
+    """Set backend knobs from "name=value,name.key=value" for the block (restored after); yields them.
+    A name the backend lacks, or a value its knob refuses later, is an error naming it."""
+    saved, settings = [], {}
+    try:
+        for item in filter(None, (x.strip() for x in spec.split(","))):
+            name, sep, value = item.partition("=")
+            if not sep:
+                raise SystemExit(f"nanoqwen bench: --before-set item {item!r} is not NAME=VALUE")
+            attr, _, key = name.partition(".")
+            if not hasattr(be, attr):
+                raise SystemExit(f"nanoqwen bench: the backend has no setting {attr!r}")
+            if key:
+                table = getattr(be, attr)
+                saved.append((table, key, table.get(key)))
+                table[key] = value
+            else:
+                saved.append((be, attr, getattr(be, attr)))
+                setattr(be, attr, value)
+            settings[name] = value
+        yield settings
+    finally:
+        for obj, key, old in reversed(saved):
+            if isinstance(obj, dict):
+                obj[key] = old
+            else:
+                setattr(obj, key, old)
+
+
+def ttft_ms(model, prompt, reps: int = 3) -> float:
+    """Median host time of prefill + first token (after one warm-up)."""
+    import cupy as cp
+
+    times = []
+    for _ in range(reps + 1):
+        cp.cuda.Device().synchronize()
+        t0 = time.perf_counter()
+        seq, _ = prefilled(model, prompt)
+        times.append((time.perf_counter() - t0) * 1e3)
+        seq.free()
+    return float(np.median(times[1:]))
+
+
+def graph_step_ms(model, prompt, n: int = 32) -> float:
+    """Median ms of a captured decode step (CUDA events) over n greedy tokens after the prompt."""
+    import cupy as cp
+
+    model.enable_cuda_graph(True)
+    steps = []
+    for rep in range(2):
+        seq, first = prefilled(model, prompt)
+        ev = []
+        list(model._graph.tokens(seq, first, n, events=ev))
+        seq.free()
+        if rep:
+            steps += [cp.cuda.get_elapsed_time(a, b) for a, b in zip(ev[:-1], ev[1:])]
+    model.enable_cuda_graph(False)
+    return float(np.median(steps))
+
+
 def greedy_tokens(model, prompt, n, graph: bool):
     model.enable_cuda_graph(graph)
     toks = model.generate(prompt, n)
@@ -273,6 +342,12 @@ def main(args) -> int:
     rng = np.random.default_rng(args.seed)
     prompt = rng.integers(0, cfg.vocab_size, args.prompt_len).astype(np.int32).tolist()
 
+    if not args.no_before:  # the step as shipped (or as --before-set says), before the sweeps pick: same run, ratios hold
+        with backend_settings(model.backend, args.before_set) as settings:
+            results["before"] = {"settings": settings, "gemv_config": dict(model.backend.gemv_config["int4_sym_g128"]),
+                                 "graph_ms_median": graph_step_ms(model, prompt), "ttft_ms": ttft_ms(model, prompt)}
+        print(f"  before ({settings or 'shipped defaults'}): decode step {results['before']['graph_ms_median']:.3f} ms, "
+              f"TTFT {results['before']['ttft_ms']:.2f} ms", flush=True)
     seq, first = prefilled(model, prompt)
     if not args.no_sweep:
         t0 = time.perf_counter()
@@ -280,8 +355,13 @@ def main(args) -> int:
         for op, r in results["gemv_sweep"].items():
             vs = ", ".join(f"{k} {v['ms'] * 1e3:.1f}us{'' if v['ok'] else ' WRONG'}" for k, v in r["variants"].items())
             print(f"  sweep {op:16s} chosen {r['chosen']}: {vs}", flush=True)
-        print(f"  sweep done ({time.perf_counter() - t0:.1f} s)", flush=True)
+        results["attention_sweep"] = sweep_attention(model, seq, first)
+        vs = ", ".join(f"{k} {v['ms'] * 1e3:.1f}us{'' if v['ok'] else ' WRONG'}"
+                       for k, v in results["attention_sweep"]["variants"].items())
+        print(f"  sweep attention_decode   chosen {results['attention_sweep']['chosen']}: {vs}", flush=True)
+        print(f"  sweeps done ({time.perf_counter() - t0:.1f} s)", flush=True)
     results["gemv_config"] = dict(model.backend.gemv_config)
+    results["attention_variant"] = model.backend.attention_variant
     seq.free()
 
     # ---- correctness first: a fast wrong engine reports nothing
@@ -313,6 +393,7 @@ def main(args) -> int:
     seq, first = prefilled(model, prompt)
     results["kernels"] = per_kernel_table(model, seq, first, results["copy_tbs"])
     seq.free()
+    results["prefill_kernels"] = prefill_table(model, prompt)
     d = results["decode"]
     d["tokens_per_s"] = 1e3 / d["graph_ms_median"]
     d["achieved_tbs"] = results["bytes_per_step"] / (d["graph_ms_median"] * 1e-3) / 1e12
@@ -357,7 +438,20 @@ def print_table(r, png):
         print(f"{k['op']:34s} {k['calls']:5d} {k['ms_per_call'] * 1e3:8.1f} {k['ms_per_step']:8.3f} "
               f"{k['bytes_per_call'] / 1e6:8.2f} {k['tbs']:6.2f} {k['pct_copy_rate']:6.1f}")
     print(f"{'sum of ops (each alone, in graphs)':34s} {'':5s} {'':8s} {tot:8.3f}   vs graph step {d['graph_ms_median']:.3f} ms")
-    print(f"GEMV config: {r['gemv_config']}")
+    print(f"GEMV config: {r['gemv_config']}; attention: {r.get('attention_variant')}")
+    if "before" in r:
+        b = r["before"]
+        print(f"before ({b['settings'] or 'shipped defaults'}; GEMVs {b['gemv_config']}): decode step "
+              f"{b['graph_ms_median']:.3f} ms -> {d['graph_ms_median']:.3f} ms ({b['graph_ms_median'] / d['graph_ms_median']:.2f}x), "
+              f"TTFT {b['ttft_ms']:.2f} ms -> {d['ttft_ms']:.2f} ms ({b['ttft_ms'] / d['ttft_ms']:.2f}x)")
+    if r.get("prefill_kernels"):
+        print(f"\n{'op (prefill of ' + str(r['prompt_len']) + ' tokens)':34s} {'calls':>5s} {'us/call':>8s} {'ms':>8s}")
+        tot = 0.0
+        for k in r["prefill_kernels"]:
+            tot += k["ms_per_step"]
+            vs = "  ".join(f"{v} {ms:.3f}" for v, ms in k.get("variants", {}).items())
+            print(f"{k['op']:34s} {k['calls']:5d} {k['ms_per_call'] * 1e3:8.1f} {k['ms_per_step']:8.3f}" + (f"   kernels: {vs}" if vs else ""))
+        print(f"{'sum of ops':34s} {'':5s} {'':8s} {tot:8.3f}   vs TTFT {d['ttft_ms']:.2f} ms (host wall)")
     print("JSON: bench.json" + (f", chart: {Path(png).name}" if png else "") + f" in {r.get('out', '')}")
 
 

@@ -344,3 +344,120 @@ def sweep_gemv(model, seq, token):
         result[op] = {"format": fmt, "default": default, "chosen": best, "variants": timings}
     ws.residual[...] = saved
     return result
+
+
+def sweep_attention(model, seq, token):
+    """Time every decode-attention kernel of the backend (ATTENTION_VARIANTS) over all layers at this
+    context, check each against reference/ops.py with the ladder's tolerance (TOL["attention"]), keep
+    the fastest that passes. Returns {"chosen", "variants": {name: {ms, max_abs_err, bound, ok, kernel}}}."""
+    from kernels.cuda import ATTENTION_VARIANTS
+    from ladder.compare import measure
+    from reference import ops as ref_ops
+
+    be, c, L = model.backend, model.config, model.config.num_hidden_layers
+    ws = model._decode_ws
+    set_decode_inputs(model, seq, token)
+    calls = block_op_calls(model, seq)
+    be.embed(ws.ids, model.embed_tokens, ws.residual)
+    saved = ws.residual.copy()
+    for name in ("rmsnorm", "qkv_proj", "rope_kv_write"):
+        calls[name](0)  # layer 0's q and this position's K/V are in place
+    host = [be.to_numpy(a) for a in (ws.q, model.cache.k[0], model.cache.v[0], seq.page_table, ws.positions)]
+    ref = ref_ops.ref_paged_attention(*host)
+    plain = ref_ops.ref_paged_attention(*host, dtype=np.float32).astype(np.float16)
+    default, result = be.attention_variant, {}
+    for var in ATTENTION_VARIANTS:
+        be.attention_variant = var
+        calls["attention_decode"](0)
+        out = be.to_numpy(ws.attn).reshape(ref.shape)
+        check = measure(out, ref, plain, ("attention", "float16"))
+        ms = time_graph(lambda: [calls["attention_decode"](i) for i in range(L)]) / L
+        result[var] = {"ms": ms, "max_abs_err": check["max_abs"], "bound": check["bound"], "ok": check["passed"],
+                       "kernel": be.attention_kernel(c.num_attention_heads, c.num_key_value_heads, c.head_dim)}
+    best = min((v for v in ATTENTION_VARIANTS if result[v]["ok"]), key=lambda v: result[v]["ms"], default=default)
+    be.attention_variant = best
+    ws.residual[...] = saved
+    return {"chosen": best, "variants": result}
+
+
+def prefill_table(model, prompt):
+    """Where a prefill's time goes: each op of the forward pass over `prompt` timed for all layers
+    together with CUDA events (eager: at T = len(prompt) an op is long next to its launch), in the
+    order the block runs them, plus embed, the last position's norm and lm_head. Rows as
+    per_kernel_table's (no bytes: a prefill is compute-bound), ms per prefill."""
+    import cupy as cp
+
+    from engine.block import Workspace
+
+    be, c = model.backend, model.config
+    L, T = c.num_hidden_layers, len(prompt)
+    seq = model.new_sequence()
+    seq.reserve(T)
+    ws = Workspace(be, c, T)
+    ws.ids[...] = be.asarray(np.asarray(prompt, np.int32))
+    ws.positions[...] = be.asarray(np.arange(T, dtype=np.int32))
+    k, v, pt = model.cache.k, model.cache.v, seq.page_table
+    lw = model.layers
+    ops = [
+        ("embed", 1, lambda i: be.embed(ws.ids, model.embed_tokens, ws.residual)),
+        ("rmsnorm", L, lambda i: be.rmsnorm(ws.residual, lw[i].input_layernorm, c.rms_norm_eps, ws.h)),
+        ("qkv_proj", L, lambda i: be.qkv_proj(ws.h, lw[i].qkv, lw[i].qkv_bias, ws.qkv)),
+        ("rope_kv_write", L, lambda i: be.rope_kv_write(ws.qkv, ws.positions, k[i], v[i], pt, c.rope_theta, ws.q)),
+        ("attention_prefill", L, lambda i: be.attention_prefill(ws.q, k[i], v[i], pt, ws.positions, ws.attn)),
+        ("o_proj_residual", L, lambda i: be.o_proj_residual(ws.attn, lw[i].o_proj, ws.residual)),
+        ("rmsnorm (post)", L, lambda i: be.rmsnorm(ws.residual, lw[i].post_attention_layernorm, c.rms_norm_eps, ws.h)),
+        ("gate_up_silu", L, lambda i: be.gate_up_silu(ws.h, lw[i].gate_up, ws.act)),
+        ("down_residual", L, lambda i: be.down_residual(ws.act, lw[i].down, ws.residual)),
+        ("final rmsnorm", 1, lambda i: be.rmsnorm(ws.residual[T - 1:T], model.norm, c.rms_norm_eps, model._final_h)),
+        ("lm_head", 1, lambda i: be.lm_head(model._final_h, model.lm_head, model._logits)),
+    ]
+    for _, n, fn in ops:  # warm-up: scratch buffers, module loads
+        for i in range(n):
+            fn(i)
+    be.synchronize()
+
+    def timed(n, fn):
+        times = []
+        for _ in range(3):
+            a, b = cp.cuda.Event(), cp.cuda.Event()
+            a.record()
+            for i in range(n):
+                fn(i)
+            b.record()
+            b.synchronize()
+            times.append(cp.cuda.get_elapsed_time(a, b))
+        return float(np.median(times))
+
+    rows = []
+    for name, n, fn in ops:
+        ms = timed(n, fn)
+        rows.append({"op": name, "calls": n, "ms_per_call": ms / n, "ms_per_step": ms})
+    # every prefill kernel of the model's format, op by op (the table above used the backend's choice)
+    fmt = lw[0].qkv.format
+    chosen = getattr(be, "prefill_variant", {})
+    if fmt in chosen:
+        import importlib
+
+        variants = importlib.import_module(f"kernels.cuda.{fmt}").PREFILL_VARIANTS
+        saved = chosen[fmt]
+        for row in rows:
+            if row["op"] in ("qkv_proj", "o_proj_residual", "gate_up_silu", "down_residual"):
+                fn = next(f for name, _, f in ops if name == row["op"])
+                row["variants"] = {}
+                for var in variants:
+                    chosen[fmt] = var
+                    fn(0)
+                    row["variants"][var] = timed(L, fn)
+                chosen[fmt] = saved
+    if hasattr(be, "attention_prefill_variant"):  # every prefill attention kernel
+        from kernels.cuda import ATTENTION_PREFILL_VARIANTS
+
+        row = next(r for r in rows if r["op"] == "attention_prefill")
+        fn = next(f for name, _, f in ops if name == "attention_prefill")
+        saved, row["variants"] = be.attention_prefill_variant, {}
+        for var in ATTENTION_PREFILL_VARIANTS:
+            be.attention_prefill_variant = var
+            row["variants"][var] = timed(L, fn)
+        be.attention_prefill_variant = saved
+    seq.free()
+    return rows

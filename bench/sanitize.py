@@ -77,10 +77,17 @@ def child(what: str) -> None:
         print("SANITIZE-CHILD-DONE", flush=True)
         return
 
+    from hypothesis import settings
+
     from engine.formats import get_format
     from fixtures.strategies import PagedCase
     from kernels import get_backend
     from ladder.unit import test_ops as unit
+
+    # The @given checks called below run their explicit examples plus a few drawn ones, with no deadline:
+    # under a sanitizer every launch is many times slower, and a deadline would fail the run for that.
+    settings.register_profile("nanoqwen-sanitize", max_examples=5, deadline=None, derandomize=True)
+    settings.load_profile("nanoqwen-sanitize")
 
     # The unit rung's own checks (against reference/ops.py with the ladder's tolerance table), at small shapes.
     be = get_backend("cuda")

@@ -16,7 +16,10 @@ variant (threads and rows per block, or a tensor-core tiling). With T > 1 (prefi
 per group; the others: their exact fp32 dequantization and one cuBLAS fp32 GEMM), then a shared
 epilogue kernel (epilogues.cu) runs. Attention with T = 1 splits the used pages evenly over a fixed
 number of blocks (computed on the device from the current length) and merges the splits in a fixed
-order.
+order; within a block, each warp owns whole pages in registers (paged_attention_warp_d64/_d128, for
+head_dim 64 or 128 and up to 8 query heads per KV head; other layouts take paged_attention_f16). A
+prefill (T > 1) runs on the tensor cores (attention_prefill_tc_d64/_d128: 64 query rows of one KV head
+a block, each K/V page staged once per tile).
 
 Every launch goes to CuPy's current stream, and nothing in a T = 1 op allocates memory once its scratch
 exists, so the decode step can be captured as a CUDA graph (engine/cuda_graph.py).
@@ -41,7 +44,17 @@ from kernels.cuda import catalog, loader
 LINEARS = {name: importlib.import_module(f"kernels.cuda.{name}").LINEAR for name in catalog.launchers()}
 PAGE = 16
 LM_WARPS, LM_ROWS = 4, 4  # must match embed_lmhead_argmax.cu
-ATT_THREADS, ATT_MAX_ITEMS = 128, 16  # must match paged_attention.cu
+ATT_THREADS, ATT_MAX_ITEMS = 128, 16  # must match paged_attention.cu (paged_attention_f16)
+ATT_WARPS, ATT_MAX_GROUP = 4, 8  # must match paged_attention.cu (paged_attention_warp_d<D>)
+ATT_WARP_HEAD_DIMS = (64, 128)
+COMBINE_THREADS, COMBINE_MAX_SPLITS = 256, 512  # must match paged_attention.cu (attention_combine_f16)
+# "warp": paged_attention_warp_d<D> where it fits (head_dim 64 or 128, at most 8 query heads per KV
+# head), else "block"; "block": paged_attention_f16 always (the previous kernel, kept for any shape)
+ATTENTION_VARIANTS = ("warp", "block")
+# prefill (T > 1): "tc" attention_prefill_tc_d<D> (tensor cores, 64 query rows a block; head_dim 64 or
+# 128) where it fits, else what attention_variant picks; "warp" / "block" force those kernels
+ATTENTION_PREFILL_VARIANTS = ("tc", "warp", "block")
+TC_ROWS = 64  # must match paged_attention.cu (attention_prefill_tc_d<D>)
 SHARED_LIMIT = 48 * 1024  # static+dynamic shared memory without an opt-in attribute
 _EW_BLOCK = 256
 
@@ -108,6 +121,12 @@ class CudaBackend(Backend):
         # blocks, computed on the device from the current length (the split count is fixed per launch)
         self.pages_per_split = pages_per_split
         self.att_blocks = 2 * cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["multiProcessorCount"]
+        self.attention_variant = "warp"  # one of ATTENTION_VARIANTS (bench and the variant tests set it)
+        self.attention_prefill_variant = "tc"  # one of ATTENTION_PREFILL_VARIANTS
+        # prefill kernel per format, for launchers that ship more than one (PREFILL_VARIANTS)
+        self.prefill_variant = {name: getattr(importlib.import_module(f"kernels.cuda.{name}"), "DEFAULT_PREFILL")
+                                for name in self.linears
+                                if hasattr(importlib.import_module(f"kernels.cuda.{name}"), "DEFAULT_PREFILL")}
         # GEMV variant per format and op (bench and the variant tests set entries; each launcher's
         # DEFAULT_CONFIG to start)
         self.gemv_config = {name: dict(lin.default_config) for name, lin in self.linears.items()}
@@ -222,18 +241,31 @@ class CudaBackend(Backend):
         self._k["rope_kv_write_f16"]((T, blocks), (128,), (qkv, positions, self._rope_inv_freq(theta, d), k_pages, v_pages,
                                                    page_table, q_out, _i32(nq), _i32(nkv), _i32(d)))
 
+    def attention_kernel(self, nq: int, nkv: int, d: int) -> str:
+        """The kernel attention runs for this head layout: the warp-per-page kernel where it fits and
+        `attention_variant` is "warp", else paged_attention_f16."""
+        if self.attention_variant not in ATTENTION_VARIANTS:
+            raise ValueError(f"attention_variant {self.attention_variant!r} is not one of {ATTENTION_VARIANTS}")
+        if self.attention_variant == "warp" and d in ATT_WARP_HEAD_DIMS and nq // nkv <= ATT_MAX_GROUP:
+            return f"paged_attention_warp_d{d}"
+        return "paged_attention_f16"
+
     def _attention(self, q, k_pages, v_pages, page_table, positions, out, split: bool):
         _need(q, np.float16, "q"), _need(k_pages, np.float16, "k_pages"), _need(v_pages, np.float16, "v_pages")
         _need(page_table, np.int32, "page_table"), _need(positions, np.int32, "positions"), _need(out, np.float16, "out")
         T, nq, d = q.shape
         nkv = k_pages.shape[1]
         group = nq // nkv
-        if group * d > ATT_THREADS * ATT_MAX_ITEMS:
-            raise ValueError(f"attention: {group} query heads per KV head x head_dim {d} exceeds the kernel's "
-                             f"{ATT_THREADS * ATT_MAX_ITEMS} accumulators per block")
-        smem = 4 * (PAGE * (d + 1) + PAGE * d + group * d + group * PAGE + 3 * group)
-        if smem > SHARED_LIMIT:
-            raise ValueError(f"attention: head_dim {d} with {group} heads per KV head needs {smem} B of shared memory")
+        kernel = self.attention_kernel(nq, nkv, d)
+        warp = kernel != "paged_attention_f16"
+        smem = 0
+        if not warp:
+            if group * d > ATT_THREADS * ATT_MAX_ITEMS:
+                raise ValueError(f"attention: {group} query heads per KV head x head_dim {d} exceeds the kernel's "
+                                 f"{ATT_THREADS * ATT_MAX_ITEMS} accumulators per block")
+            smem = 4 * (PAGE * (d + 1) + PAGE * d + group * d + group * PAGE + 3 * group)
+            if smem > SHARED_LIMIT:
+                raise ValueError(f"attention: head_dim {d} with {group} heads per KV head needs {smem} B of shared memory")
         max_pages = page_table.shape[0]
         if not split:
             pps, splits = max_pages, 1
@@ -241,7 +273,9 @@ class CudaBackend(Backend):
             pps = self.pages_per_split
             splits = -(-max_pages // pps)
         else:  # dynamic: the kernel spreads the used pages over `splits` blocks per (KV head, token)
-            pps, splits = 0, max(1, min(max_pages, -(-self.att_blocks // (nkv * T))))
+            # (the warp kernel's blocks hold ATT_WARPS pages at a time: no more splits than that fills)
+            most = -(-max_pages // ATT_WARPS) if warp else max_pages
+            pps, splits = 0, max(1, min(most, -(-self.att_blocks // (nkv * T))))
         scale = np.float32(1.0 / np.sqrt(d))
         if splits == 1:
             dummy = out  # partial buffers are not touched with one split
@@ -251,15 +285,36 @@ class CudaBackend(Backend):
             pl = self.scratch("att_l", (T, nq, splits), np.float32)
             pa = self.scratch("att_acc", (T, nq, splits, d), np.float32)
             args = (q, k_pages, v_pages, page_table, positions, out, pm, pl, pa)
-        self._k["paged_attention_f16"]((nkv, T, splits), (ATT_THREADS,),
-                                       (*args, _i32(nq), _i32(nkv), _i32(d), _i32(pps), _i32(max_pages), scale),
-                                       shared_mem=smem)
+        threads = ATT_WARPS * 32 if warp else ATT_THREADS
+        self._k[kernel]((nkv, T, splits), (threads,),
+                        (*args, _i32(nq), _i32(nkv), _i32(d), _i32(pps), _i32(max_pages), scale), shared_mem=smem)
         if splits > 1:
-            self._k["attention_combine_f16"]((nq, T), (min(128, -(-d // 32) * 32),),
-                                             (pm, pl, pa, out, _i32(nq), _i32(d), _i32(splits)))
+            if splits > COMBINE_MAX_SPLITS:
+                raise ValueError(f"attention: {splits} splits exceed the combine kernel's {COMBINE_MAX_SPLITS} "
+                                 f"(raise pages_per_split)")
+            self._k["attention_combine_f16"]((nq, T), (COMBINE_THREADS,), (pm, pl, pa, out, _i32(nq), _i32(d), _i32(splits)))
 
     def attention_prefill(self, q, k_pages, v_pages, page_table, positions, out):
-        self._attention(q, k_pages, v_pages, page_table, positions, out, split=q.shape[0] == 1)
+        T, nq, d = q.shape
+        nkv = k_pages.shape[1]
+        variant = self.attention_prefill_variant
+        if variant not in ATTENTION_PREFILL_VARIANTS:
+            raise ValueError(f"attention_prefill_variant {variant!r} is not one of {ATTENTION_PREFILL_VARIANTS}")
+        if T > 1 and variant == "tc" and d in ATT_WARP_HEAD_DIMS and nq // nkv <= TC_ROWS:
+            _need(q, np.float16, "q"), _need(k_pages, np.float16, "k_pages"), _need(v_pages, np.float16, "v_pages")
+            _need(page_table, np.int32, "page_table"), _need(positions, np.int32, "positions"), _need(out, np.float16, "out")
+            qt = TC_ROWS // (nq // nkv)  # query tokens per block
+            self._k[f"attention_prefill_tc_d{d}"]((nkv, -(-T // qt)), (128,),
+                                                  (q, k_pages, v_pages, page_table, positions, out, _i32(nq), _i32(nkv),
+                                                   _i32(T), _i32(qt), _i32(page_table.shape[0]), np.float32(1.0 / np.sqrt(d))))
+            return
+        saved = self.attention_variant
+        if variant in ATTENTION_VARIANTS:
+            self.attention_variant = variant
+        try:
+            self._attention(q, k_pages, v_pages, page_table, positions, out, split=T == 1)
+        finally:
+            self.attention_variant = saved
 
     def attention_decode(self, q, k_pages, v_pages, page_table, positions, out):
         self._attention(q, k_pages, v_pages, page_table, positions, out, split=True)

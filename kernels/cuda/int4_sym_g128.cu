@@ -19,7 +19,8 @@
 // per thread. A chunk never straddles a scale group (128 inputs = 4 chunks), so the fp16 scale
 // multiplies the chunk's fp32 partial sum once. Partials are reduced with a fixed xor-shuffle tree per
 // warp, then across warps in warp order through shared memory: no atomics, deterministic results.
-#include "common.cuh"
+#include "gemv_rows.cuh"
+#include "mma.cuh"
 
 // x: fp16 [T, in]; qweight: uint32 [out_total, in/8]; scales: fp16 [out_total, in/128].
 // EPI_BIAS_F16:     out16[t, r] = acc(r) + bias[r]                         (out_total = rows)
@@ -151,6 +152,117 @@ extern "C" __global__ void __launch_bounds__(256) int4_gemv_residual_f32_t256_r8
 extern "C" __global__ void __launch_bounds__(256) int4_gemv_silu_mul_f16_t256_r8(
     const f16_bits* x, const u32* qweight, const f16_bits* scales, f16_bits* out, int rows, int in_f) {
     int4_gemv<EPI_SILU_MUL_F16, 256, 8>(x, qweight, scales, nullptr, out, nullptr, rows, in_f);
+}
+
+// ---- decode GEMV with the nibbles decoded straight to fp32 (variants f<THREADS>_r<R>) -----------------
+//
+// The kernels above widen every unpacked half2 weight (and, per row, every x pair) with an fp16 -> fp32
+// conversion before its FMA; conversions issue at a fraction of the FMA rate, so at 2 weights a byte
+// they, not the bytes, bound the big gate/up and down GEMVs. These variants never convert a weight:
+// OR-ing a nibble that sits at bits 4p .. 4p+3 into the fp32 pattern 0x4B000000 (2^23, whose ulp is 1)
+// gives the float 2^23 + 16^p n exactly, and one FMA with 16^-p and -(2^23 16^-p + 8) gives n - 8
+// exactly (the exact value n - 8 is one rounding away, and it is representable). Per weight: one lop3,
+// one FMA to decode and one FMA to accumulate, all at full rate; per word one shift brings the odd
+// elements (bits 16..31) down to bits 0..15, since a nibble at bits 20..23 would reach the exponent.
+// x is widened once per chunk for all R rows (gemv_rows.cuh's body, whose work split and fixed
+// reduction order these share). The sums are the t<THREADS>_r<R> kernels' sums in the same order (pair
+// k of word j: element 2k, then 2k + 1), so both families give the same bits.
+
+// 2^23 + 16^p n as fp32, n the nibble at bits 4p .. 4p+3 of `word` (p = 0..3: bits 0..15 only).
+template <int P>
+__device__ __forceinline__ float nibble_magic_f32(u32 word) {
+    u32 t;
+    // lop3 LUT 0xEA = (a & b) | c  with a = word, b = 0xF << 4p, c = 0x4B000000 (fp32 2^23)
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(t) : "r"(word), "r"(0xFu << (4 * P)), "r"(0x4B000000u));
+    return __uint_as_float(t);
+}
+
+// sum over the word's 8 elements of (n - zero) * x, fp32, in the pair order of dot_int4_word.
+// xf: the word's 8 activations in element order. off[p] = -(2^23 16^-p + zero) (exact).
+__device__ __forceinline__ float dot_int4_word_f32(u32 word, const float* xf, const float (&off)[4], float acc) {
+    const u32 hi = word >> 16;  // odd elements 1, 3, 5, 7 down to nibbles 0..3
+    // nibble p: fma(2^23 + 16^p n, 16^-p, off[p]) = n - zero; pair p = elements 2p (word), 2p+1 (hi)
+    acc = fmaf(fmaf(nibble_magic_f32<0>(word), 1.0f, off[0]), xf[0], acc);
+    acc = fmaf(fmaf(nibble_magic_f32<0>(hi), 1.0f, off[0]), xf[1], acc);
+    acc = fmaf(fmaf(nibble_magic_f32<1>(word), 0.0625f, off[1]), xf[2], acc);
+    acc = fmaf(fmaf(nibble_magic_f32<1>(hi), 0.0625f, off[1]), xf[3], acc);
+    acc = fmaf(fmaf(nibble_magic_f32<2>(word), 0.00390625f, off[2]), xf[4], acc);
+    acc = fmaf(fmaf(nibble_magic_f32<2>(hi), 0.00390625f, off[2]), xf[5], acc);
+    acc = fmaf(fmaf(nibble_magic_f32<3>(word), 0.000244140625f, off[3]), xf[6], acc);
+    acc = fmaf(fmaf(nibble_magic_f32<3>(hi), 0.000244140625f, off[3]), xf[7], acc);
+    return acc;
+}
+
+// The decoder of gemv_rows.cuh for int4_sym_g128: a chunk is 4 words = 32 weights, a quarter of a
+// 128-group (chunk c's scale is the group c / 4's); the chunk's 32 products are summed in fp32, then
+// scaled once, as in int4_gemv above.
+struct DecodeInt4SymG128F32 {
+    static constexpr int ELEMS = 32;
+    typedef f16_bits Scale;
+    typedef float Aux;
+    __device__ static __forceinline__ float aux(const Scale* s, int row, int in_f, int c) {
+        return h2f(__ldg(s + (size_t)row * (in_f / 128) + c / 4));
+    }
+    __device__ static __forceinline__ float accumulate(float acc, const uint4& w, const float (&xf)[ELEMS], float s) {
+        const float off[4] = {-8388616.0f, -524296.0f, -32776.0f, -2056.0f};  // -(2^23 16^-p + 8)
+        float p = 0.0f;
+        p = dot_int4_word_f32(w.x, xf + 0, off, p);
+        p = dot_int4_word_f32(w.y, xf + 8, off, p);
+        p = dot_int4_word_f32(w.z, xf + 16, off, p);
+        p = dot_int4_word_f32(w.w, xf + 24, off, p);
+        return fmaf(p, s, acc);
+    }
+    __device__ static __forceinline__ float finish(float total, const Scale*, int) { return total; }
+};
+
+// Entry points int4_gemv_<epilogue>_f<THREADS>_r<R>, written out like the others.
+extern "C" __global__ void __launch_bounds__(64) int4_gemv_bias_f16_f64_r4(
+    const f16_bits* x, const u32* qweight, const f16_bits* scales, const f16_bits* bias, f16_bits* out, int rows, int in_f) {
+    gemv_rows<DecodeInt4SymG128F32, EPI_BIAS_F16, 64, 4>(x, reinterpret_cast<const uint4*>(qweight), scales, bias, out, nullptr, rows, in_f);
+}
+extern "C" __global__ void __launch_bounds__(64) int4_gemv_residual_f32_f64_r4(
+    const f16_bits* x, const u32* qweight, const f16_bits* scales, float* resid, int rows, int in_f) {
+    gemv_rows<DecodeInt4SymG128F32, EPI_RESIDUAL_F32, 64, 4>(x, reinterpret_cast<const uint4*>(qweight), scales, nullptr, nullptr, resid, rows, in_f);
+}
+extern "C" __global__ void __launch_bounds__(64) int4_gemv_silu_mul_f16_f64_r4(
+    const f16_bits* x, const u32* qweight, const f16_bits* scales, f16_bits* out, int rows, int in_f) {
+    gemv_rows<DecodeInt4SymG128F32, EPI_SILU_MUL_F16, 64, 4>(x, reinterpret_cast<const uint4*>(qweight), scales, nullptr, out, nullptr, rows, in_f);
+}
+extern "C" __global__ void __launch_bounds__(128) int4_gemv_bias_f16_f128_r4(
+    const f16_bits* x, const u32* qweight, const f16_bits* scales, const f16_bits* bias, f16_bits* out, int rows, int in_f) {
+    gemv_rows<DecodeInt4SymG128F32, EPI_BIAS_F16, 128, 4>(x, reinterpret_cast<const uint4*>(qweight), scales, bias, out, nullptr, rows, in_f);
+}
+extern "C" __global__ void __launch_bounds__(128) int4_gemv_residual_f32_f128_r4(
+    const f16_bits* x, const u32* qweight, const f16_bits* scales, float* resid, int rows, int in_f) {
+    gemv_rows<DecodeInt4SymG128F32, EPI_RESIDUAL_F32, 128, 4>(x, reinterpret_cast<const uint4*>(qweight), scales, nullptr, nullptr, resid, rows, in_f);
+}
+extern "C" __global__ void __launch_bounds__(128) int4_gemv_silu_mul_f16_f128_r4(
+    const f16_bits* x, const u32* qweight, const f16_bits* scales, f16_bits* out, int rows, int in_f) {
+    gemv_rows<DecodeInt4SymG128F32, EPI_SILU_MUL_F16, 128, 4>(x, reinterpret_cast<const uint4*>(qweight), scales, nullptr, out, nullptr, rows, in_f);
+}
+extern "C" __global__ void __launch_bounds__(128) int4_gemv_bias_f16_f128_r8(
+    const f16_bits* x, const u32* qweight, const f16_bits* scales, const f16_bits* bias, f16_bits* out, int rows, int in_f) {
+    gemv_rows<DecodeInt4SymG128F32, EPI_BIAS_F16, 128, 8>(x, reinterpret_cast<const uint4*>(qweight), scales, bias, out, nullptr, rows, in_f);
+}
+extern "C" __global__ void __launch_bounds__(128) int4_gemv_residual_f32_f128_r8(
+    const f16_bits* x, const u32* qweight, const f16_bits* scales, float* resid, int rows, int in_f) {
+    gemv_rows<DecodeInt4SymG128F32, EPI_RESIDUAL_F32, 128, 8>(x, reinterpret_cast<const uint4*>(qweight), scales, nullptr, nullptr, resid, rows, in_f);
+}
+extern "C" __global__ void __launch_bounds__(128) int4_gemv_silu_mul_f16_f128_r8(
+    const f16_bits* x, const u32* qweight, const f16_bits* scales, f16_bits* out, int rows, int in_f) {
+    gemv_rows<DecodeInt4SymG128F32, EPI_SILU_MUL_F16, 128, 8>(x, reinterpret_cast<const uint4*>(qweight), scales, nullptr, out, nullptr, rows, in_f);
+}
+extern "C" __global__ void __launch_bounds__(256) int4_gemv_bias_f16_f256_r8(
+    const f16_bits* x, const u32* qweight, const f16_bits* scales, const f16_bits* bias, f16_bits* out, int rows, int in_f) {
+    gemv_rows<DecodeInt4SymG128F32, EPI_BIAS_F16, 256, 8>(x, reinterpret_cast<const uint4*>(qweight), scales, bias, out, nullptr, rows, in_f);
+}
+extern "C" __global__ void __launch_bounds__(256) int4_gemv_residual_f32_f256_r8(
+    const f16_bits* x, const u32* qweight, const f16_bits* scales, float* resid, int rows, int in_f) {
+    gemv_rows<DecodeInt4SymG128F32, EPI_RESIDUAL_F32, 256, 8>(x, reinterpret_cast<const uint4*>(qweight), scales, nullptr, nullptr, resid, rows, in_f);
+}
+extern "C" __global__ void __launch_bounds__(256) int4_gemv_silu_mul_f16_f256_r8(
+    const f16_bits* x, const u32* qweight, const f16_bits* scales, f16_bits* out, int rows, int in_f) {
+    gemv_rows<DecodeInt4SymG128F32, EPI_SILU_MUL_F16, 256, 8>(x, reinterpret_cast<const uint4*>(qweight), scales, nullptr, out, nullptr, rows, in_f);
 }
 
 // ---- decode GEMV on the tensor cores ---------------------------------------------------------------
@@ -322,12 +434,6 @@ extern "C" __global__ void __launch_bounds__(256) int4_gemv_silu_mul_f16_tc_w8_u
 #define MMA_PAD 72
 #define MMA_THREADS 256
 
-__device__ __forceinline__ void mma_16816(float (&c)[4], const u32 (&a)[4], const u32 (&b)[2]) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
 
 // x fp16 [T, K], qweight uint32 [N, K/8], scales fp16 [N, K/128] -> y fp32 [T, N]. K % 128 == 0.
 // Grid (ceil(N / 128), ceil(T / 64)), 256 threads.
@@ -443,4 +549,165 @@ int4_mma_f32(const f16_bits* __restrict__ x, const u32* __restrict__ qweight, co
                 if (col + 1 < N) y[(size_t)row * N + col + 1] = tot[i][j][2 * h + 1];
             }
         }
+}
+
+// ---- prefill, pipelined: int4_mma_pipe_f32 ---------------------------------------------------------
+//
+// The same sums as int4_mma_f32 (exact fp16 products n - 8 times x on the tensor cores, fp32
+// accumulation, each 128-group's partial scaled once in fp32), laid out for throughput:
+//   * tile BM = 128 (or 64) tokens x BN = 128 weight rows, K in steps of PK = 32, 8 warps as 2 (M) x 4
+//     (N), each warp 64 x 32 = 4 x 4 mma tiles (twice int4_mma_f32's work per shared-memory byte; or
+//     32 x 32 for int4_mma_pipe64_f32);
+//   * a PSTAGES-deep cp.async ring: x and the RAW qweight words go global -> shared with no register
+//     staging, so the loads of steps kt+1 and kt+2 fly while step kt multiplies; one barrier per step;
+//   * the weights stay packed in shared memory (4 x smaller than unpacked fp16) and are unpacked into
+//     the mma B fragment where they are read: the fragment of lane (c = lane % 4, n = lane / 4) is
+//     elements (2c, 2c+1) and (2c+8, 2c+9) of row n's 16-element slice, i.e. pair c of its two
+//     ValueShuffle words, one shift + lop3 + sub each (common.cuh), so one 8-byte shared load feeds it;
+//   * A fragments by ldmatrix.x4 (lane l addresses row l % 16, columns (l / 16) * 8 of the 16 x 16 tile);
+//   * a group's 8 scales per lane are loaded when the group's first step starts and used when its last
+//     ends (int4_mma_f32 loads them at the end: a global-memory wait every 128 inputs).
+// Shared rows: x padded to 40 halves (80 B: the 8 rows of an ldmatrix phase land in 8 different
+// 16-byte bank groups), weights 4 words (16 B: the 8 rows of a B load land in 8 different bank pairs).
+// Rows past T are zero-filled by cp.async (src-size 0) and never stored; rows past N are clamped.
+#define PIPE_BN 128
+#define PIPE_BK 32
+#define PIPE_XPAD 40
+#define PIPE_WPAD 4
+#define PIPE_STAGES 3
+
+
+// pair c (elements 2c, 2c+1) of a ValueShuffle word as the half2 (n - 8, n' - 8), exact.
+__device__ __forceinline__ u32 int4_pair(u32 word, int c) {
+    u32 t, q;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(t) : "r"(word >> (4 * c)), "r"(0x000F000Fu), "r"(0x64006400u));
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(q) : "r"(t), "r"(0x64086408u));
+    return q;
+}
+
+// x fp16 [T, K], qweight uint32 [N, K/8], scales fp16 [N, K/128] -> y fp32 [T, N]. K % 128 == 0.
+// MI = mma tiles per warp along M: BM = 32 MI tokens (MI = 4: 128 x 128 tiles, 216 registers, one block
+// an SM; MI = 2: 64 x 128 tiles, half the accumulators, two blocks an SM).
+// Grid (ceil(N / 128), ceil(T / BM)), 256 threads.
+template <int MI>
+__device__ __forceinline__ void int4_mma_pipe(const f16_bits* __restrict__ x, const u32* __restrict__ qweight,
+                                              const f16_bits* __restrict__ scales, float* __restrict__ y, int T, int N, int K) {
+    constexpr int BM = 32 * MI;
+    __shared__ __align__(16) f16_bits Xs[PIPE_STAGES][BM][PIPE_XPAD];
+    __shared__ __align__(16) u32 Ws[PIPE_STAGES][PIPE_BN][PIPE_WPAD];
+    const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP;
+    const int wm = warp % 2, wn = warp / 2;  // warp tile: rows wm*16*MI.., cols wn*32..
+    const int n0 = blockIdx.x * PIPE_BN, m0 = blockIdx.y * BM;
+    const int words_per_row = K / 8, groups = K / 128, ktiles = K / PIPE_BK;
+
+    // cp.async sources: x rows (tid / 4) + 64 i, 16-byte column chunk tid % 4 (i = 0, 1); weight row tid / 2,
+    // 16-byte chunk... a step's 4 words of a row are one chunk, so threads 0..127 copy rows 0..127.
+    const int xr = tid / 4, xch = tid % 4;
+    const f16_bits* xsrc[MI / 2];
+    int xbytes[MI / 2];
+#pragma unroll
+    for (int i = 0; i < MI / 2; ++i) {
+        const int row = m0 + xr + 64 * i;
+        xbytes[i] = row < T ? 16 : 0;  // past T: zero-fill, from a valid address
+        xsrc[i] = x + (size_t)(row < T ? row : 0) * K + xch * 8;
+    }
+    const u32* wsrc = qweight + (size_t)imin(n0 + (tid % PIPE_BN), N - 1) * words_per_row;
+    auto load = [&](int kt, int st) {
+#pragma unroll
+        for (int i = 0; i < MI / 2; ++i) cp_async16(&Xs[st][xr + 64 * i][xch * 8], xsrc[i] + kt * PIPE_BK, xbytes[i]);
+        if (tid < PIPE_BN) cp_async16(&Ws[st][tid][0], wsrc + kt * (PIPE_BK / 8), 16);
+    };
+
+    float acc[MI][4][4], tot[MI][4][4];
+#pragma unroll
+    for (int i = 0; i < MI; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = tot[i][j][e] = 0.0f;
+
+    int scol[4][2];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) scol[j][e] = imin(n0 + wn * 32 + j * 8 + (lane % 4) * 2 + e, N - 1);
+
+#pragma unroll
+    for (int s = 0; s < PIPE_STAGES - 1; ++s) {
+        if (s < ktiles) load(s, s);
+        cp_async_commit();  // one group per step, empty past the end, so wait_group counts stay exact
+    }
+    const int c = lane % 4;
+    f16_bits sg[4][2];  // this group's scales, loaded when the group starts, used when it ends
+    for (int kt = 0; kt < ktiles; ++kt) {
+        const int st = kt % PIPE_STAGES;
+        if ((kt * PIPE_BK) % 128 == 0) {  // a group starts: its scale loads fly during its 4 steps
+            const int g = (kt * PIPE_BK) / 128;
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) sg[j][e] = __ldg(scales + (size_t)scol[j][e] * groups + g);
+        }
+        cp_async_wait<PIPE_STAGES - 2>();  // this thread's copies of step kt are done ...
+        __syncthreads();  // ... and everyone's; and everyone finished step kt-1, whose slot is refilled below
+        if (kt + PIPE_STAGES - 1 < ktiles) load(kt + PIPE_STAGES - 1, (kt + PIPE_STAGES - 1) % PIPE_STAGES);
+        cp_async_commit();
+
+#pragma unroll
+        for (int ks = 0; ks < PIPE_BK; ks += 16) {
+            u32 a[MI][4], b[4][2];
+#pragma unroll
+            for (int i = 0; i < MI; ++i)
+                ldmatrix_x4(a[i], &Xs[st][wm * 16 * MI + i * 16 + (lane % 16)][ks + (lane / 16) * 8]);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const uint2 ww = *reinterpret_cast<const uint2*>(&Ws[st][wn * 32 + j * 8 + lane / 4][ks / 8]);
+                b[j][0] = int4_pair(ww.x, c);  // elements ks + 2c, +1
+                b[j][1] = int4_pair(ww.y, c);  // elements ks + 8 + 2c, +1
+            }
+#pragma unroll
+            for (int i = 0; i < MI; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) mma_16816(acc[i][j], a[i], b[j]);
+        }
+        if (((kt + 1) * PIPE_BK) % 128 == 0) {  // a 128-group is complete: scale it into the total
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const float s0 = h2f(sg[j][0]);
+                const float s1 = h2f(sg[j][1]);
+#pragma unroll
+                for (int i = 0; i < MI; ++i) {
+                    tot[i][j][0] = fmaf(acc[i][j][0], s0, tot[i][j][0]);
+                    tot[i][j][1] = fmaf(acc[i][j][1], s1, tot[i][j][1]);
+                    tot[i][j][2] = fmaf(acc[i][j][2], s0, tot[i][j][2]);
+                    tot[i][j][3] = fmaf(acc[i][j][3], s1, tot[i][j][3]);
+                    acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.0f;
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();  // no copy outlives the block (the trailing groups are empty)
+
+#pragma unroll
+    for (int i = 0; i < MI; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int col = n0 + wn * 32 + j * 8 + (lane % 4) * 2;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = m0 + wm * 16 * MI + i * 16 + lane / 4 + h * 8;
+                if (row >= T) continue;
+                if (col < N) y[(size_t)row * N + col] = tot[i][j][2 * h];
+                if (col + 1 < N) y[(size_t)row * N + col + 1] = tot[i][j][2 * h + 1];
+            }
+        }
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1)
+int4_mma_pipe_f32(const f16_bits* x, const u32* qweight, const f16_bits* scales, float* y, int T, int N, int K) {
+    int4_mma_pipe<4>(x, qweight, scales, y, T, N, K);
+}
+extern "C" __global__ void __launch_bounds__(256, 2)
+int4_mma_pipe64_f32(const f16_bits* x, const u32* qweight, const f16_bits* scales, float* y, int T, int N, int K) {
+    int4_mma_pipe<2>(x, qweight, scales, y, T, N, K);
 }

@@ -2,9 +2,10 @@
 
 qweight uint32 [out, in/8] (ValueShuffle nibbles), scales fp16 [out, in/128] (docs/FORMAT.md), read as
 stored. Decode: the GEMV entry points int4_gemv_<epilogue>_<variant>, CUDA-core "t<threads>_r<R>" or
-tensor-core "tc_w<warps>_u<groups>" (int4_sym_g128.cu explains both). Prefill: int4_mma_f32, a
-tensor-core kernel that multiplies fp16 x by the unscaled nibbles (exact in fp16) one 128-group at a
-time with fp32 accumulation and scales each group's partial (no weight is rounded).
+tensor-core "tc_w<warps>_u<groups>" (int4_sym_g128.cu explains both). Prefill: int4_mma_pipe_f32
+(or the previous int4_mma_f32, `backend.prefill_variant`), tensor-core kernels that multiply fp16 x by
+the unscaled nibbles (exact in fp16) one 128-group at a time with fp32 accumulation and scale each
+group's partial (no weight is rounded).
 """
 
 from __future__ import annotations
@@ -15,9 +16,18 @@ from kernels.cuda import loader
 from kernels.cuda.linear import GemvLinear, i32
 
 GROUP = 128
-MMA_BM, MMA_BN = 64, 128  # must match int4_sym_g128.cu
+MMA_BM, MMA_BN = 64, 128  # must match int4_sym_g128.cu (int4_mma_f32)
+PIPE_BN = 128  # must match int4_sym_g128.cu (int4_mma_pipe<MI>)
+# prefill kernels: "pipe" int4_mma_pipe_f32 (cp.async ring, 128 x 128 tiles), "pipe64" the same with
+# 64 x 128 tiles, "mma" int4_mma_f32 (the previous one, 64 x 128 tiles, registers staged);
+# backend.prefill_variant["int4_sym_g128"] picks (the bench times each)
+PREFILL_KERNELS = {"pipe": ("int4_mma_pipe_f32", 128, PIPE_BN), "pipe64": ("int4_mma_pipe64_f32", 64, PIPE_BN),
+                   "mma": ("int4_mma_f32", MMA_BM, MMA_BN)}
+PREFILL_VARIANTS = ("pipe", "pipe64", "mma")
+DEFAULT_PREFILL = "pipe"
 GEMV_KERNEL = "int4_gemv"
-VARIANTS = ("t64_r4", "t128_r4", "t128_r8", "t256_r8", "tc_w4_u4", "tc_w8_u4", "tc_w8_u2")
+VARIANTS = ("t64_r4", "t128_r4", "t128_r8", "t256_r8", "tc_w4_u4", "tc_w8_u4", "tc_w8_u2", "f64_r4", "f128_r4",
+            "f128_r8", "f256_r8")
 # the fastest per op in the bench sweep on an H200 (bench/NOTES.md, v2); `nanoqwen bench` re-picks on its machine
 DEFAULT_CONFIG = {"qkv_proj": "tc_w8_u4", "o_proj_residual": "t128_r4", "gate_up_silu": "tc_w4_u4",
                   "down_residual": "t128_r4"}
@@ -35,8 +45,11 @@ class Int4SymG128Linear(GemvLinear):
             raise ValueError("x: the prefill kernel reads activations in 16-byte loads; x is not 16-byte aligned")
         T, N, K = x.shape[0], w.out_features, w.in_features
         y = backend.scratch("prefill_y", (T, N), np.float32)
-        loader.kernels()["int4_mma_f32"]((-(-N // MMA_BN), -(-T // MMA_BM)), (256,),
-                                         (x, w["qweight"], w["scales"], y, i32(T), i32(N), i32(K)))
+        variant = getattr(backend, "prefill_variant", {}).get(self.name, DEFAULT_PREFILL)
+        if variant not in PREFILL_VARIANTS:
+            raise ValueError(f"prefill_variant[{self.name!r}] = {variant!r} is not one of {PREFILL_VARIANTS}")
+        kernel, bm, bn = PREFILL_KERNELS[variant]
+        loader.kernels()[kernel]((-(-N // bn), -(-T // bm)), (256,), (x, w["qweight"], w["scales"], y, i32(T), i32(N), i32(K)))
         return y
 
 

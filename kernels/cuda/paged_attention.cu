@@ -20,6 +20,7 @@
 // Shared memory (dynamic, floats): K page [16][d+1] (the +1 pad puts the 16 slots of one column in
 // 16 different banks for the score loop), V page [16][d], q [group][d], p [group][16], m/l/alpha [group].
 #include "common.cuh"
+#include "mma.cuh"
 
 #define PAGE 16
 #define ATT_THREADS 128
@@ -149,30 +150,475 @@ paged_attention_f16(const f16_bits* __restrict__ q, const f16_bits* __restrict__
     }
 }
 
-// Merge the splits of one (token, head): out = sum_z acc_z e^(m_z - M) / sum_z l_z e^(m_z - M), z in
-// order. A split with l = 0 held no keys and gets weight 0 (its m is -inf, its acc 0). Grid (nq, T), d
-// threads (or fewer, striding). The loops load without branching and are unrolled, so the loads of
-// several splits are in flight at once (the loop is latency-bound otherwise: one L2 trip per split).
-extern "C" __global__ void attention_combine_f16(const float* __restrict__ part_m, const float* __restrict__ part_l,
-                                                 const float* __restrict__ part_acc, f16_bits* __restrict__ out,
-                                                 int nq, int d, int splits) {
-    const int h = blockIdx.x, t = blockIdx.y;
-    const size_t p0 = ((size_t)t * nq + h) * splits;
-    float M = neg_inf();
-#pragma unroll 8
-    for (int z = 0; z < splits; ++z) {
-        const float l = part_l[p0 + z], m = part_m[p0 + z];
-        M = l > 0.0f ? fmaxf(M, m) : M;
+// ---- a warp per page (the default where it fits: head_dim 64 or 128, at most 8 query heads per KV head)
+//
+// paged_attention_f16 above stages each page in shared memory as fp32 behind three block barriers and
+// gives each score a serial 128-long dot from shared memory: latency, not bytes, set its time (about
+// 19 us per layer for 1 MB of KV at the 7B shape). Here each warp of the block owns whole pages and
+// keeps them in registers; the block's warps take the span's pages round-robin, each with its own
+// online softmax, and merge once at the end. No block barrier inside the page loop.
+//
+// Same grid (nkv, T, splits), same page spans, same partial outputs and combine kernel, same
+// arithmetic contract (fp32 scores, probabilities and sums, q pre-scaled, fp16 output).
+//
+// Per page, lane (slot s = lane % 16, half hf = lane / 16):
+//   * scores: loads dims [hf D/2, hf D/2 + D/2) of K row s with 16-byte loads (the page's K slice is
+//     16 rows of D contiguous fp16, so the warp reads it whole) and forms the partial dot with every
+//     query head of the group (q from shared memory, one broadcast per half-warp); one xor-16 shuffle
+//     adds the two halves, so both lanes of a slot hold its score;
+//   * softmax: max and sum over the 16 slots by xor shuffles inside each half-warp (both halves agree);
+//     slots at or past the length get probability 0 and are never loaded (tests fill them with NaN);
+//   * P.V: lane owns dims [lane D/32, lane D/32 + D/32) of every head's accumulator and reads those dims
+//     of the 16 V rows (the warp reads each V row whole, 8 B a lane at D = 128); the probabilities go
+//     through a per-warp shared array read back as float4 broadcasts (4 slots a load).
+// The per-warp (m, l, acc) are merged in warp order through shared memory: deterministic.
+#define ATT_WARPS 4
+#define ATT_MAX_GROUP 8  // query heads per KV head this kernel holds (the launcher checks)
+
+template <int D>
+__device__ __forceinline__ void attention_warp_pages(const f16_bits* __restrict__ q, const f16_bits* __restrict__ k_pages,
+                                                     const f16_bits* __restrict__ v_pages, const int* __restrict__ page_table,
+                                                     const int* __restrict__ positions, f16_bits* __restrict__ out,
+                                                     float* __restrict__ part_m, float* __restrict__ part_l,
+                                                     float* __restrict__ part_acc, int nq, int nkv, int pages_per_split,
+                                                     int max_pages, float scale) {
+    constexpr int G = ATT_MAX_GROUP;
+    constexpr int KH = D / 2;    // K dims per lane (half a row)
+    constexpr int KL = KH / 8;   // 16-byte K loads per lane
+    constexpr int DL = D / 32;   // accumulator dims per lane
+    constexpr int VW = DL / 2;   // 32-bit V words per lane per slot
+    __shared__ float Qs[G * D];                       // pre-scaled q of the group's heads
+    __shared__ __align__(16) float Ps[ATT_WARPS][G][PAGE];  // each warp's probabilities of its page
+    __shared__ float Mw[ATT_WARPS][G], Lw[ATT_WARPS][G];
+    __shared__ float Aw[ATT_WARPS][G * D];
+
+    const int kvh = blockIdx.x, t = blockIdx.y, z = blockIdx.z, splits = gridDim.z;
+    const int group = nq / nkv, tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP;
+    const int s = lane % PAGE, hf = lane / PAGE;
+
+    const int n_keys = positions[t] + 1;
+    if (pages_per_split <= 0) {
+        const int used = imin((n_keys + PAGE - 1) / PAGE, max_pages);
+        pages_per_split = imax(1, (used + splits - 1) / splits);
     }
-    for (int c = threadIdx.x; c < d; c += blockDim.x) {
-        float L = 0.0f, A = 0.0f;
-#pragma unroll 8
-        for (int z = 0; z < splits; ++z) {
-            const float l = part_l[p0 + z], m = part_m[p0 + z], a = part_acc[(p0 + z) * d + c];
-            const float w = l > 0.0f ? expf(m - M) : 0.0f;
-            L = fmaf(l, w, L);
-            A = fmaf(a, w, A);
+    const int first_page = z * pages_per_split;
+    const int last_page = imin(imin((z + 1) * pages_per_split, (n_keys + PAGE - 1) / PAGE), max_pages);
+
+    for (int i = tid; i < group * D; i += ATT_WARPS * WARP)
+        Qs[i] = h2f(q[((size_t)t * nq + kvh * group) * D + i]) * scale;
+    __syncthreads();  // q is in shared memory before any warp scores
+
+    float m[G], l[G], acc[G][DL];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        m[g] = neg_inf();
+        l[g] = 0.0f;
+#pragma unroll
+        for (int k = 0; k < DL; ++k) acc[g][k] = 0.0f;
+    }
+
+    for (int p = first_page + warp; p < last_page; p += ATT_WARPS) {
+        const int valid = imin(PAGE, n_keys - p * PAGE);  // >= 1: p is below the last used page
+        const size_t base = (((size_t)page_table[p] * nkv + kvh) * PAGE) * D;
+        const bool live = s < valid;
+        // Every load of the page first (K half-row, this lane's dims of the valid V rows): one trip of
+        // memory latency per page, not one per use.
+        uint4 kr[KL];
+        if (live) {
+            const uint4* kp = reinterpret_cast<const uint4*>(k_pages + base + (size_t)s * D + hf * KH);
+#pragma unroll
+            for (int j = 0; j < KL; ++j) kr[j] = __ldg(kp + j);
         }
-        out[((size_t)t * nq + h) * d + c] = f2h(A / L);
+        u32 vr[PAGE][VW];
+#pragma unroll
+        for (int sl = 0; sl < PAGE; ++sl) {
+            const u32* vp = reinterpret_cast<const u32*>(v_pages + base + (size_t)sl * D + lane * DL);
+#pragma unroll
+            for (int w = 0; w < VW; ++w) vr[sl][w] = sl < valid ? __ldg(vp + w) : 0u;  // never read a slot past the length
+        }
+
+        float sc[G];
+#pragma unroll
+        for (int g = 0; g < G; ++g) sc[g] = 0.0f;
+        if (live) {
+#pragma unroll
+            for (int j = 0; j < KL; ++j) {
+                u32 kw[4];
+                uint4_words(kr[j], kw);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float k0, k1;
+                    h2x2f(kw[e], k0, k1);
+                    const int c = hf * KH + 8 * j + 2 * e;
+#pragma unroll
+                    for (int g = 0; g < G; ++g) {
+                        if (g < group) {
+                            const float2 qq = *reinterpret_cast<const float2*>(Qs + g * D + c);
+                            sc[g] = fmaf(qq.x, k0, sc[g]);
+                            sc[g] = fmaf(qq.y, k1, sc[g]);
+                        }
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            if (g < group) {  // uniform across the warp
+                const float dot = sc[g] + __shfl_xor_sync(FULL_MASK, sc[g], 16);
+                const float sg = live ? dot : neg_inf();
+                const float m_new = fmaxf(m[g], half_warp_max(sg));  // finite: slot 0 is valid
+                const float prob = live ? expf(sg - m_new) : 0.0f;
+                const float alpha = expf(m[g] - m_new);  // 0 on the warp's first page (m = -inf)
+                l[g] = l[g] * alpha + half_warp_sum(prob);
+                m[g] = m_new;
+#pragma unroll
+                for (int k = 0; k < DL; ++k) acc[g][k] *= alpha;
+                if (hf == 0) Ps[warp][g][s] = prob;
+            }
+        }
+        __syncwarp();  // this warp's probabilities are in Ps before its lanes read them back
+#pragma unroll
+        for (int s4 = 0; s4 < PAGE; s4 += 4) {
+            float vf[4][DL];
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+#pragma unroll
+                for (int w = 0; w < VW; ++w) h2x2f(vr[s4 + i][w], vf[i][2 * w], vf[i][2 * w + 1]);
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                if (g < group) {
+                    const float4 pp = *reinterpret_cast<const float4*>(&Ps[warp][g][s4]);  // slots past valid: 0
+#pragma unroll
+                    for (int k = 0; k < DL; ++k) {
+                        float a = acc[g][k];
+                        a = fmaf(pp.x, vf[0][k], a);
+                        a = fmaf(pp.y, vf[1][k], a);
+                        a = fmaf(pp.z, vf[2][k], a);
+                        a = fmaf(pp.w, vf[3][k], a);
+                        acc[g][k] = a;
+                    }
+                }
+            }
+        }
+        __syncwarp();  // every lane has read Ps before the warp's next page rewrites it
+    }
+
+    // Merge the warps in warp order. A warp that had no page holds m = -inf, l = 0 and weighs 0.
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        if (g < group) {
+            if (lane == 0) { Mw[warp][g] = m[g]; Lw[warp][g] = l[g]; }
+#pragma unroll
+            for (int k = 0; k < DL; ++k) Aw[warp][g * D + lane * DL + k] = acc[g][k];
+        }
+    }
+    __syncthreads();  // every warp's state is in shared memory
+    for (int item = tid; item < group * D; item += ATT_WARPS * WARP) {
+        const int g = item / D, c = item % D;
+        float M = neg_inf();
+#pragma unroll
+        for (int w = 0; w < ATT_WARPS; ++w) M = Lw[w][g] > 0.0f ? fmaxf(M, Mw[w][g]) : M;
+        float L = 0.0f, A = 0.0f;
+#pragma unroll
+        for (int w = 0; w < ATT_WARPS; ++w) {
+            const float e = Lw[w][g] > 0.0f ? expf(Mw[w][g] - M) : 0.0f;
+            L = fmaf(Lw[w][g], e, L);
+            A = fmaf(Aw[w][item], e, A);
+        }
+        const int h = kvh * group + g;
+        if (splits == 1) {
+            out[((size_t)t * nq + h) * D + c] = f2h(A / L);
+        } else {  // an empty split writes l = 0 (and m = -inf, acc = 0): the combine gives it weight 0
+            const size_t pi = ((size_t)t * nq + h) * splits + z;
+            part_acc[pi * D + c] = A;
+            if (c == 0) { part_m[pi] = M; part_l[pi] = L; }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * WARP)
+paged_attention_warp_d64(const f16_bits* q, const f16_bits* k_pages, const f16_bits* v_pages, const int* page_table,
+                         const int* positions, f16_bits* out, float* part_m, float* part_l, float* part_acc,
+                         int nq, int nkv, int d, int pages_per_split, int max_pages, float scale) {
+    attention_warp_pages<64>(q, k_pages, v_pages, page_table, positions, out, part_m, part_l, part_acc, nq, nkv,
+                             pages_per_split, max_pages, scale);
+}
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * WARP)
+paged_attention_warp_d128(const f16_bits* q, const f16_bits* k_pages, const f16_bits* v_pages, const int* page_table,
+                          const int* positions, f16_bits* out, float* part_m, float* part_l, float* part_acc,
+                          int nq, int nkv, int d, int pages_per_split, int max_pages, float scale) {
+    attention_warp_pages<128>(q, k_pages, v_pages, page_table, positions, out, part_m, part_l, part_acc, nq, nkv,
+                              pages_per_split, max_pages, scale);
+}
+
+// ---- prefill on the tensor cores: attention_prefill_tc_d<D> ----------------------------------------
+//
+// The kernels above give every query token its own block and re-read its keys page by page: a prefill
+// of T tokens reads ~T^2/32 pages per KV head with a few hundred instructions of overhead each. Here a
+// block owns a tile of query ROWS (token, head) pairs of one KV head, 64 of them: qt = 64 / group
+// consecutive tokens times the group's query heads, row r = (token r / group, head r % group). Every
+// K/V page is staged once per tile in shared memory (cp.async, two buffers: page p+1 loads while p is
+// used) and both products run on mma.sync m16n8k16 (mma.cuh), each warp owning 16 rows:
+//   * S = Q K^T: q and k are fp16, so every product is exact and the sums are fp32 (as the CUDA-core
+//     kernels' fp32 dots); the 1/sqrt(d) scale multiplies the fp32 score (they fold it into q first:
+//     a different rounding of the same fp32 arithmetic, far under the fp16 output's);
+//   * causal mask per row: key j counts iff j <= positions[row's token]; a masked score is -inf (a
+//     select, so NaN in a slot past the length never reaches a sum: such slots are also zero-filled);
+//   * online softmax per row in fp32 (running max m, sum l), the max and sums over a row's 16 keys by
+//     two xor shuffles (a row's scores sit on the 4 lanes of a quad);
+//   * O += P V with the fp32 probabilities split as P = P_hi + P_lo, two fp16 numbers (P_lo the
+//     rounding error of P_hi): two mmas, exact products with fp16 V, fp32 sums, so P keeps ~22 bits
+//     (the precision contract's fp32 probabilities) rather than fp16's 11. S's C fragment is P's A
+//     fragment register for register (mma.cuh's layouts), so P never leaves registers.
+// Rows past the tile (group does not divide 64, or the last tile's tokens past T) compute with the
+// tile's first token's position and are never stored. Grid (nkv, ceil(T / qt)), 128 threads.
+#define TC_ROWS 64
+
+template <int D>
+__device__ __forceinline__ void attention_prefill_tc(const f16_bits* __restrict__ q, const f16_bits* __restrict__ k_pages,
+                                                     const f16_bits* __restrict__ v_pages, const int* __restrict__ page_table,
+                                                     const int* __restrict__ positions, f16_bits* __restrict__ out,
+                                                     int nq, int nkv, int T, int qt, int max_pages, float scale) {
+    constexpr int KP = D + 8;  // padded row (halves): 8 rows of an ldmatrix phase in 8 different bank groups
+    constexpr int KS = D / 16; // k steps of S
+    constexpr int NT = D / 8;  // n tiles of O
+    constexpr int CH = D / 8;  // 16-byte chunks per row
+    __shared__ __align__(16) f16_bits Qs[TC_ROWS][KP];
+    __shared__ __align__(16) f16_bits Ks[2][PAGE][KP];
+    __shared__ __align__(16) f16_bits Vs[2][PAGE][KP];
+    __shared__ int tile_keys;
+
+    const int kvh = blockIdx.x, t0 = blockIdx.y * qt, group = nq / nkv;
+    const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP;
+    const int rows_used = qt * group;
+
+    // The tile's keys: 1 + the largest position of its tokens (positions need not be sorted).
+    if (warp == 0) {
+        int mx = 0;
+        for (int i = lane; i < qt; i += WARP)
+            if (t0 + i < T) mx = imax(mx, positions[t0 + i]);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) mx = imax(mx, __shfl_xor_sync(FULL_MASK, mx, o));
+        if (lane == 0) tile_keys = mx + 1;
+    }
+    // Q rows -> shared (zero for rows past the tile).
+    for (int i = tid; i < TC_ROWS * CH; i += 4 * WARP) {
+        const int r = i / CH, ch = i % CH, tok = t0 + r / group;
+        const bool ok = r < rows_used && tok < T;
+        const f16_bits* src = q + ((size_t)(ok ? tok : 0) * nq + kvh * group + (ok ? r % group : 0)) * D + ch * 8;
+        cp_async16(&Qs[r][ch * 8], src, ok ? 16 : 0);
+    }
+    cp_async_commit();
+    __syncthreads();  // tile_keys is set
+    const int n_keys = tile_keys;
+    const int last_page = imin((n_keys + PAGE - 1) / PAGE, max_pages);
+
+    auto load_page = [&](int p, int b) {
+        const size_t base = (((size_t)page_table[p] * nkv + kvh) * PAGE) * D;
+        for (int i = tid; i < PAGE * CH; i += 4 * WARP) {
+            const int sl = i / CH, ch = i % CH;
+            const int bytes = p * PAGE + sl < n_keys ? 16 : 0;  // past the tile's keys: zero-filled
+            cp_async16(&Ks[b][sl][ch * 8], k_pages + base + (size_t)sl * D + ch * 8, bytes);
+            cp_async16(&Vs[b][sl][ch * 8], v_pages + base + (size_t)sl * D + ch * 8, bytes);
+        }
+    };
+    load_page(0, 0);
+    cp_async_commit();
+
+    // This lane's two rows (C fragment rows r and r + 8 of the warp's 16) and their positions.
+    const int rlo = warp * 16 + lane / 4, rhi = rlo + 8, c = lane % 4;
+    auto row_pos = [&](int r) {
+        const int tok = t0 + r / group;
+        return r < rows_used && tok < T ? positions[tok] : positions[t0];
+    };
+    const int plo = row_pos(rlo), phi = row_pos(rhi);
+
+    cp_async_wait<1>();  // Q has landed (page 0 may still fly)
+    __syncthreads();
+    u32 qa[KS][4];
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) ldmatrix_x4(qa[ks], &Qs[warp * 16 + (lane % 16)][ks * 16 + (lane / 16) * 8]);
+
+    float o[NT][4];
+#pragma unroll
+    for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float m_lo = neg_inf(), m_hi = neg_inf(), l_lo = 0.0f, l_hi = 0.0f;
+
+    for (int p = 0; p < last_page; ++p) {
+        const int b = p & 1;
+        if (p + 1 < last_page) load_page(p + 1, b ^ 1);  // its buffer was last read at p - 1 (barrier below)
+        cp_async_commit();
+        cp_async_wait<1>();  // page p is in shared memory for this thread's copies ...
+        __syncthreads();     // ... and for everyone's
+
+        // S = Q K^T for 16 keys: n tile 0 = keys 0-7, n tile 1 = keys 8-15.
+        float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) {
+            u32 kb[4];  // lanes 0-7: keys 0-7 dims ks*16; 8-15: keys 0-7 dims +8; 16-23: keys 8-15; 24-31: keys 8-15, +8
+            ldmatrix_x4(kb, &Ks[b][(lane / 16) * 8 + (lane % 8)][ks * 16 + ((lane / 8) % 2) * 8]);
+            const u32 b0[2] = {kb[0], kb[1]}, b1[2] = {kb[2], kb[3]};
+            mma_16816(sc[0], qa[ks], b0);
+            mma_16816(sc[1], qa[ks], b1);
+        }
+        // Mask, scale, row max (a row's 16 scores are on the 4 lanes of its quad).
+        float mxl = neg_inf(), mxh = neg_inf();
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int j = p * PAGE + n * 8 + 2 * c + e;
+                sc[n][e] = j <= plo ? sc[n][e] * scale : neg_inf();
+                sc[n][e + 2] = j <= phi ? sc[n][e + 2] * scale : neg_inf();
+                mxl = fmaxf(mxl, sc[n][e]);
+                mxh = fmaxf(mxh, sc[n][e + 2]);
+            }
+#pragma unroll
+        for (int o2 = 1; o2 <= 2; o2 <<= 1) {
+            mxl = fmaxf(mxl, __shfl_xor_sync(FULL_MASK, mxl, o2));
+            mxh = fmaxf(mxh, __shfl_xor_sync(FULL_MASK, mxh, o2));
+        }
+        // Key 0 is on page 0 and every row's position is >= 0, so m is finite from page 0 on.
+        const float nl = fmaxf(m_lo, mxl), nh = fmaxf(m_hi, mxh);
+        const float al = expf(m_lo - nl), ah = expf(m_hi - nh);  // 0 on page 0 (m = -inf)
+        m_lo = nl;
+        m_hi = nh;
+        float sl_ = 0.0f, sh_ = 0.0f;
+        u32 ph[4], pl[4];  // P as the A fragment of the P V mma (hi and lo parts)
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+            const float p0 = expf(sc[n][0] - nl), p1 = expf(sc[n][1] - nl);  // masked: exp(-inf) = 0
+            const float p2 = expf(sc[n][2] - nh), p3 = expf(sc[n][3] - nh);
+            sl_ += p0 + p1;
+            sh_ += p2 + p3;
+            u32 hl, hh;
+            asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(hl) : "f"(p1), "f"(p0));  // low half = p0
+            asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(hh) : "f"(p3), "f"(p2));
+            float r0, r1, r2, r3;
+            h2x2f(hl, r0, r1);
+            h2x2f(hh, r2, r3);
+            u32 ll, lh;
+            asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(ll) : "f"(p1 - r1), "f"(p0 - r0));
+            asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(lh) : "f"(p3 - r3), "f"(p2 - r2));
+            ph[2 * n] = hl;      // a0 (n = 0) / a2 (n = 1): row lo, keys 8n + 2c, +1
+            ph[2 * n + 1] = hh;  // a1 / a3: row hi
+            pl[2 * n] = ll;
+            pl[2 * n + 1] = lh;
+        }
+#pragma unroll
+        for (int o2 = 1; o2 <= 2; o2 <<= 1) {
+            sl_ += __shfl_xor_sync(FULL_MASK, sl_, o2);
+            sh_ += __shfl_xor_sync(FULL_MASK, sh_, o2);
+        }
+        l_lo = l_lo * al + sl_;
+        l_hi = l_hi * ah + sh_;
+        const u32 pa_hi[4] = {ph[0], ph[1], ph[2], ph[3]}, pa_lo[4] = {pl[0], pl[1], pl[2], pl[3]};
+#pragma unroll
+        for (int n = 0; n < NT; n += 2) {
+            u32 vb[4];  // .trans: lanes 0-7 keys 0-7, 8-15 keys 8-15 at dims 8n; 16-31 the same at dims 8n + 8
+            ldmatrix_x4_trans(vb, &Vs[b][(lane % 8) + ((lane / 8) % 2) * 8][n * 8 + (lane / 16) * 8]);
+            const u32 b0[2] = {vb[0], vb[1]}, b1[2] = {vb[2], vb[3]};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                o[n][e] *= e < 2 ? al : ah;
+                o[n + 1][e] *= e < 2 ? al : ah;
+            }
+            mma_16816(o[n], pa_hi, b0);
+            mma_16816(o[n], pa_lo, b0);
+            mma_16816(o[n + 1], pa_hi, b1);
+            mma_16816(o[n + 1], pa_lo, b1);
+        }
+        __syncthreads();  // every warp is done with buffer b before page p + 2 is loaded into it
+    }
+    cp_async_wait<0>();
+
+    // out[token, head, dims 8n + 2c, +1] for this lane's two rows.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = h ? rhi : rlo, tok = t0 + r / group;
+        if (r >= rows_used || tok >= T) continue;
+        const float inv_l = 1.0f / (h ? l_hi : l_lo);
+        f16_bits* dst = out + ((size_t)tok * nq + kvh * group + r % group) * D + 2 * c;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            dst[n * 8] = f2h(o[n][2 * h] * inv_l);
+            dst[n * 8 + 1] = f2h(o[n][2 * h + 1] * inv_l);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(4 * WARP)
+attention_prefill_tc_d64(const f16_bits* q, const f16_bits* k_pages, const f16_bits* v_pages, const int* page_table,
+                         const int* positions, f16_bits* out, int nq, int nkv, int T, int qt, int max_pages, float scale) {
+    attention_prefill_tc<64>(q, k_pages, v_pages, page_table, positions, out, nq, nkv, T, qt, max_pages, scale);
+}
+extern "C" __global__ void __launch_bounds__(4 * WARP)
+attention_prefill_tc_d128(const f16_bits* q, const f16_bits* k_pages, const f16_bits* v_pages, const int* page_table,
+                          const int* positions, f16_bits* out, int nq, int nkv, int T, int qt, int max_pages, float scale) {
+    attention_prefill_tc<128>(q, k_pages, v_pages, page_table, positions, out, nq, nkv, T, qt, max_pages, scale);
+}
+
+// Merge the splits of one (token, head): out = sum_z acc_z e^(m_z - M) / sum_z l_z e^(m_z - M). A split
+// with l = 0 held no keys and gets weight 0 (its m is -inf, its acc 0). Grid (nq, T), COMBINE_THREADS
+// threads, splits <= COMBINE_MAX_SPLITS (the launcher checks). Latency, not bytes, is this kernel's
+// cost, so every load is independent of the others: the weights e^(m_z - M) are computed once per
+// split into shared memory (one load of m, l per split, spread over the block), then thread (column
+// lane cw, split group zg) sums acc_z over z = zg, zg + COMBINE_ZG, ... for columns cw, cw + 32, ..., and
+// the COMBINE_ZG partial sums are added in zg order. Every sum has a fixed order: deterministic.
+#define COMBINE_THREADS 256
+#define COMBINE_ZG (COMBINE_THREADS / WARP)
+#define COMBINE_MAX_SPLITS 512
+extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
+attention_combine_f16(const float* __restrict__ part_m, const float* __restrict__ part_l,
+                      const float* __restrict__ part_acc, f16_bits* __restrict__ out, int nq, int d, int splits) {
+    __shared__ float Wz[COMBINE_MAX_SPLITS];
+    __shared__ float red[WARP];
+    __shared__ float Ap[COMBINE_ZG][WARP * 4];
+    const int h = blockIdx.x, t = blockIdx.y, tid = threadIdx.x, cw = tid % WARP, zg = tid / WARP;
+    const size_t p0 = ((size_t)t * nq + h) * splits;
+
+    float mx = neg_inf();
+    for (int z = tid; z < splits; z += COMBINE_THREADS) {
+        const float l = part_l[p0 + z], m = part_m[p0 + z];
+        mx = l > 0.0f ? fmaxf(mx, m) : mx;
+    }
+    // block max (order-free), through the same fixed tree as block_sum
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, o));
+    if (cw == 0) red[zg] = mx;
+    __syncthreads();  // every warp's max is in red[]
+    float M = neg_inf();
+#pragma unroll
+    for (int w = 0; w < COMBINE_ZG; ++w) M = fmaxf(M, red[w]);
+    __syncthreads();  // red[] is read before block_sum reuses it
+    float lsum = 0.0f;
+    for (int z = tid; z < splits; z += COMBINE_THREADS) {
+        const float l = part_l[p0 + z], m = part_m[p0 + z];
+        const float w = l > 0.0f ? expf(m - M) : 0.0f;
+        Wz[z] = w;
+        lsum = fmaf(l, w, lsum);
+    }
+    const float L = block_sum(lsum, red);  // fixed tree; its barrier also publishes Wz[]
+
+    for (int c0 = 0; c0 < d; c0 += WARP * 4) {  // columns c0 + cw + 32 k, k = 0..3
+        float A[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 4
+        for (int z = zg; z < splits; z += COMBINE_ZG) {
+            const float w = Wz[z];
+            const float* a = part_acc + (p0 + z) * d + c0 + cw;
+#pragma unroll
+            for (int k = 0; k < 4; ++k)
+                if (c0 + cw + WARP * k < d) A[k] = fmaf(a[WARP * k], w, A[k]);
+        }
+#pragma unroll
+        for (int k = 0; k < 4; ++k) Ap[zg][cw + WARP * k] = A[k];
+        __syncthreads();  // every split group's partial sums are in Ap
+        if (tid < WARP * 4 && c0 + tid < d) {
+            float s = 0.0f;
+#pragma unroll
+            for (int g = 0; g < COMBINE_ZG; ++g) s += Ap[g][tid];  // zg order
+            out[((size_t)t * nq + h) * d + c0 + tid] = f2h(s / L);
+        }
+        __syncthreads();  // Ap is read before the next column block rewrites it
     }
 }

@@ -10,8 +10,11 @@
   reason.
 - The prefill path (T above `gemv_max_tokens`) at its tile edges: T and rows on, below and past the
   64 x 128 tensor-core tile.
-- The Qwen2.5-Coder-7B shapes of the four ops (decode and a 64-token prefill), the decode attention
-  with fixed split sizes (one page per split: splits past the length are empty), rmsnorm reading rows
+- The Qwen2.5-Coder-7B shapes of the four ops (decode and a 64-token prefill); every prefill attention
+  kernel (tensor cores, warp, block) at its tile and page edges; both decode attention kernels
+  (the warp-per-page one and paged_attention_f16) with fixed and dynamic split sizes (one page per
+  split: splits past the length are empty) and on every page edge, decode and prefill; head layouts
+  the warp kernel does not hold going to paged_attention_f16; rmsnorm reading rows
   of a larger buffer, and the captured decode graph following a wrapped op and its unwrapping.
 
 The comparisons are test_ops.py's: `check_*` against `reference.ops` with TOL.
@@ -19,6 +22,7 @@ The comparisons are test_ops.py's: `check_*` against `reference.ops` with TOL.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from pathlib import Path
 
@@ -27,7 +31,7 @@ import pytest
 
 import engine
 from engine.formats import get_format
-from fixtures.strategies import PagedCase
+from fixtures.strategies import PAGE_BOUNDARY_LENGTHS, PagedCase
 from ladder.plugin import selected_formats
 from ladder.unit.test_ops import _check_attention, check_gate_up_silu, check_linear_residual, check_qkv_proj
 
@@ -96,15 +100,41 @@ def test_gemv_variant_matches_reference_at_every_tile_edge(backend, format_varia
         config[op] = saved
 
 
+def _prefill_variants(fmt) -> tuple:
+    """The prefill kernels a format's launcher ships (`PREFILL_VARIANTS`), or (None,) for one kernel."""
+    path = ROOT / "kernels" / "cuda" / f"{fmt}.py"
+    if not path.exists():
+        return (None,)
+    import ast
+
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "PREFILL_VARIANTS" for t in node.targets):
+            return tuple(ast.literal_eval(node.value))
+    return (None,)
+
+
 @pytest.mark.parametrize("op", LINEAR_OPS)
 def test_prefill_path_matches_reference_at_every_tile_edge(backend, quant_format, op):
+    """Every prefill kernel of the format, T and rows on, below and past its tiles (64 x 128 and 128 x
+    128), inputs of one, three and five groups (a pipeline deeper than the K steps, and wrapping it)."""
     gemv_max = getattr(backend, "gemv_max_tokens", 1)
-    for T in (2, 63, 64, 65, 130):
-        if T <= gemv_max:
-            continue
-        for in_f in (128, 384) + ((3 * quant_format.in_multiple,) if quant_format.in_multiple < 128 else ()):
-            for rows in ((7, 64, 65, 129) if op == "gate_up_silu" else (8, 127, 128, 129, 257)):
-                _check_linear(backend, quant_format, op, T, in_f, rows, seed=T * 1000 + rows, case=",prefill")
+    chosen = getattr(backend, "prefill_variant", None)
+    variants = _prefill_variants(quant_format.name) if chosen is not None else (None,)  # else: one kernel per format
+    for variant in variants:
+        saved = chosen.get(quant_format.name) if variant is not None else None
+        if variant is not None:
+            chosen[quant_format.name] = variant
+        try:
+            for T in (2, 63, 64, 65, 127, 128, 130):
+                if T <= gemv_max:
+                    continue
+                for in_f in (128, 384, 640) + ((3 * quant_format.in_multiple,) if quant_format.in_multiple < 128 else ()):
+                    for rows in ((7, 64, 65, 129) if op == "gate_up_silu" else (8, 127, 128, 129, 257)):
+                        _check_linear(backend, quant_format, op, T, in_f, rows, seed=T * 1000 + rows,
+                                      case=f",prefill{'=' + variant if variant else ''}")
+        finally:
+            if variant is not None:
+                chosen[quant_format.name] = saved
 
 
 @pytest.mark.parametrize("T", (1, 64))
@@ -117,18 +147,83 @@ def test_full_size_linears_match_reference(backend, quant_format, op, T):
     _check_linear(backend, quant_format, op, T, in_f, rows, seed=T, case=",7B")
 
 
-@pytest.mark.parametrize("pages_per_split", (1, 8))
-def test_attention_decode_with_fixed_split_sizes(backend, pages_per_split):
-    if not hasattr(backend, "pages_per_split"):
-        pytest.skip("the backend has no pages_per_split: its decode attention does not split the pages")
-    saved = backend.pages_per_split
-    backend.pages_per_split = pages_per_split
+ATTENTION_VARIANTS = ("warp", "block")  # kernels/cuda/__init__.py ATTENTION_VARIANTS
+
+
+@contextlib.contextmanager
+def _attention_setting(backend, **values):
+    """The backend's attention knobs set for the block, restored after; skips on a backend without them."""
+    missing = [k for k in values if not hasattr(backend, k)]
+    if missing:
+        pytest.skip(f"the backend has no {', '.join(missing)}: nothing to choose in its attention")
+    saved = {k: getattr(backend, k) for k in values}
+    for k, v in values.items():
+        setattr(backend, k, v)
     try:
-        for L, nkv, ratio, d in ((33, 2, 1, 64), (33, 2, 7, 128), (600, 4, 7, 128)):
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(backend, k, v)
+
+
+@pytest.mark.parametrize("variant", ATTENTION_VARIANTS)
+@pytest.mark.parametrize("pages_per_split", (1, 8, None))
+def test_attention_decode_with_fixed_split_sizes(backend, variant, pages_per_split):
+    """Each attention kernel with one page per split (splits past the length are empty), eight, and the
+    dynamic spread; 600 keys put several pages on each warp of the warp kernel."""
+    with _attention_setting(backend, pages_per_split=pages_per_split, attention_variant=variant):
+        for L, nkv, ratio, d in ((33, 2, 1, 64), (33, 2, 7, 128), (600, 4, 7, 128), (1000, 1, 8, 64)):
             case = PagedCase.build(seed=L, L=L, T=1, nq=nkv * ratio, nkv=nkv, d=d, layout="shuffled")
             _check_attention(backend, "attention_decode", case)
-    finally:
-        backend.pages_per_split = saved
+
+
+@pytest.mark.parametrize("variant", ATTENTION_VARIANTS)
+@pytest.mark.parametrize("L", PAGE_BOUNDARY_LENGTHS)
+def test_attention_variant_at_every_page_edge(backend, variant, L):
+    """Both kernels, decode and a 5-token prefill chunk, on every page edge: a page that holds 1, 15 or
+    16 valid slots, on one warp or several."""
+    with _attention_setting(backend, attention_variant=variant, attention_prefill_variant=variant):
+        for nkv, ratio, d in ((2, 2, 64), (4, 7, 128)):
+            _check_attention(backend, "attention_decode",
+                             PagedCase.build(seed=L, L=L, T=1, nq=nkv * ratio, nkv=nkv, d=d, layout="shuffled"))
+            T = min(5, L)
+            _check_attention(backend, "attention_prefill",
+                             PagedCase.build(seed=L + 1, L=L, T=T, nq=nkv * ratio, nkv=nkv, d=d, layout="sparse"))
+
+
+@pytest.mark.parametrize("variant", ("tc", "warp", "block"))  # kernels/cuda/__init__.py ATTENTION_PREFILL_VARIANTS
+def test_attention_prefill_kernels_are_causal_at_every_tile_and_page_edge(backend, variant):
+    """Each prefill kernel on prompts that end on, before and past its tiles (the tensor-core kernel's
+    qt = 64 / group tokens) and pages, chunks after a cached prefix, head groups that do not divide 64
+    (rows left over in a tile), and the 7B layout over 300 keys with scores of std 64."""
+    with _attention_setting(backend, attention_prefill_variant=variant):
+        cases = [
+            dict(L=2, T=2, nq=2, nkv=1, d=64, layout="contiguous"),
+            dict(L=9, T=9, nq=28, nkv=4, d=128, layout="shuffled"),      # one full tile of 9 tokens (group 7)
+            dict(L=10, T=10, nq=28, nkv=4, d=128, layout="shuffled"),    # one token into a second tile
+            dict(L=64, T=64, nq=4, nkv=4, d=64, layout="sparse"),        # group 1: one tile of 64 tokens
+            dict(L=65, T=65, nq=4, nkv=4, d=64, layout="shuffled"),
+            dict(L=47, T=30, nq=12, nkv=2, d=128, layout="sparse"),      # a chunk after a 17-token prefix
+            dict(L=33, T=33, nq=10, nkv=2, d=64, layout="shuffled"),     # group 5: 60 of 64 rows used
+            dict(L=130, T=130, nq=24, nkv=1, d=128, layout="shuffled"),  # group 24: 2 tokens a tile
+            dict(L=300, T=300, nq=28, nkv=4, d=128, layout="sparse", scale=8.0),
+        ]
+        for i, kw in enumerate(cases):
+            if variant == "block" or (variant == "warp" and kw["nq"] // kw["nkv"] > 8):
+                if kw["nq"] // kw["nkv"] * kw["d"] > 2048:
+                    continue  # paged_attention_f16 holds group x head_dim <= 2048 accumulators (it says so: ValueError)
+            _check_attention(backend, "attention_prefill", PagedCase.build(seed=100 + i, **kw))
+
+
+@pytest.mark.parametrize("nq, nkv, d", [(18, 2, 64), (4, 2, 96), (2, 1, 32)])
+def test_attention_layouts_the_warp_kernel_does_not_hold_take_the_block_kernel(backend, nq, nkv, d):
+    """9 query heads per KV head, or a head_dim other than 64 and 128: the warp kernel's registers do not
+    hold them, so the backend runs paged_attention_f16, and the answer is still right."""
+    with _attention_setting(backend, attention_variant="warp"):
+        assert backend.attention_kernel(nq, nkv, d) == "paged_attention_f16"
+        for L, T in ((40, 1), (40, 6)):
+            op = "attention_decode" if T == 1 else "attention_prefill"
+            _check_attention(backend, op, PagedCase.build(seed=L, L=L, T=T, nq=nq, nkv=nkv, d=d, layout="shuffled"))
 
 
 def test_captured_decode_follows_a_wrapped_op_and_its_unwrapping(backend, model_path):
