@@ -79,15 +79,16 @@ def child(what: str) -> None:
 
     from hypothesis import settings
 
+    # The @given checks called below run their explicit examples plus a few drawn ones, with no deadline:
+    # under a sanitizer every launch is many times slower, and a deadline would fail the run for that.
+    # Loaded before test_ops is imported: @given binds the default settings when it decorates a test.
+    settings.register_profile("nanoqwen-sanitize", max_examples=5, deadline=None, derandomize=True)
+    settings.load_profile("nanoqwen-sanitize")
+
     from engine.formats import get_format
     from fixtures.strategies import PagedCase
     from kernels import get_backend
     from ladder.unit import test_ops as unit
-
-    # The @given checks called below run their explicit examples plus a few drawn ones, with no deadline:
-    # under a sanitizer every launch is many times slower, and a deadline would fail the run for that.
-    settings.register_profile("nanoqwen-sanitize", max_examples=5, deadline=None, derandomize=True)
-    settings.load_profile("nanoqwen-sanitize")
 
     # The unit rung's own checks (against reference/ops.py with the ladder's tolerance table), at small shapes.
     be = get_backend("cuda")
