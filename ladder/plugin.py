@@ -77,6 +77,8 @@ def pytest_addoption(parser):
                 help="graph rung: tokens generated per prompt (default: past the next page boundary, 8 to 24)")
     g.addoption("--skip-determinism", action="store_true",
                 help="graph rung: skip the three-run determinism test (slow machines)")
+    g.addoption("--shard", default=None, metavar="I/N",
+                help="run shard I of N of the collected tests (a stable hash of each node id: ladder/shards.py)")
 
 
 def _positive_int(text: str) -> int:
@@ -167,6 +169,7 @@ def pytest_configure(config):
             raise pytest.UsageError(str(e)) from None
     selected_formats(config)
     config._nanoqwen = _Summary()
+    config._nanoqwen.shard = config.getoption("--shard")
     _CONFIG["config"] = config
 
 
@@ -208,6 +211,18 @@ def _rung_of(item) -> str | None:
 
 
 def pytest_collection_modifyitems(config, items):
+    spec = config.getoption("--shard")
+    if spec:  # every worker (and a run without workers) keeps the same shard: a hash of the node id
+        from ladder.shards import ShardError, parse_shard, select
+
+        try:
+            index, count = parse_shard(spec)
+        except ShardError as e:
+            raise pytest.UsageError(str(e)) from None
+        kept, dropped = select(items, index, count)
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
     for item in items:
         rung = _rung_of(item)
         if rung:
@@ -237,7 +252,10 @@ def backend(request, backend_name):
             if backend_name in required_backends(request.config):
                 pytest.fail(msg + f" (required by --require-backend {backend_name} / NANOQWEN_REQUIRE_GPU=1)")
             pytest.skip(msg)
-        be = get_backend(backend_name, **_device_options(backend_name))
+        options = _device_options(backend_name)
+        be = get_backend(backend_name, **options)
+        if "device" in options:
+            _bind_torch(options["device"])
         spec = request.config.getoption("--plant-fault")
         if spec:
             from ladder.faults import plant
@@ -256,6 +274,22 @@ def _device_options(backend_name: str) -> dict:
     if not worker.startswith("gw"):
         return {}
     return backend_class(backend_name).worker_options(int(worker[2:]))
+
+
+def _bind_torch(device: int) -> None:
+    """torch's current CUDA device follows the backend's, so a reference or helper that puts a tensor on
+    "cuda" puts it on this worker's GPU, not on GPU 0 (torch is imported only where it is installed)."""
+    try:
+        import torch
+    except ImportError:
+        return
+    if torch.cuda.is_available() and device < torch.cuda.device_count():
+        torch.cuda.set_device(device)
+
+
+def worker_device(backend_name: str) -> int | None:
+    """The device this test process's backend was given (None: not a device backend, or no workers)."""
+    return _device_options(backend_name).get("device") if backend_needs_device(backend_name) else None
 
 
 @pytest.fixture(scope="session")
@@ -321,6 +355,7 @@ class _Summary:
         self.graph_bounds: list[dict] = []  # the bounds each worker derived (the same, recorded once)
         self.failures: list[str] = []
         self.unsupported = Counter()  # (backend, format) -> tests that failed for want of a kernel
+        self.shard: str | None = None  # --shard I/N of this run
 
     def add(self, report, rung: str):
         if report.when == "call" or (report.when != "call" and report.failed) or (report.when == "setup" and report.skipped):
@@ -367,6 +402,7 @@ class _Summary:
             "near_ties": [{**d, "backend": r["backend"]} for r in self.graph for d in r["near_ties"]],
             "failures": self.failures,
             "unsupported": [{"backend": b, "format": f, "tests": n} for (b, f), n in sorted(self.unsupported.items())],
+            "shard": self.shard,
         }
 
     def graph_summaries(self):
@@ -390,6 +426,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if _is_worker(config):
         return
     s: _Summary = config._nanoqwen
+    out = config.getoption("--ladder-json")
+    if out:  # written even when nothing ran (a shard may hold none of a rung's tests)
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(s.as_json(), indent=1, default=str))
     tr = terminalreporter
     rungs = [r for r in (*RUNGS, "other") if s.counts[r]]
     if not rungs:
@@ -426,7 +466,4 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     for f in s.flatness:
         tr.line(f"reference{' [' + f['label'] + ']' if f.get('label') else ''}: {f['flat']} of {f['positions']} positions ({100 * f['fraction']:.2f}%) under the "
                 f"near-tie epsilon; smallest top-1/top-2 margin {f['min_margin']:.4g}")
-    out = config.getoption("--ladder-json")
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(s.as_json(), indent=1, default=str))
+

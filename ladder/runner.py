@@ -11,7 +11,8 @@ pyproject.toml) changes it: the project's settings travel on its command line an
 
     nanoqwen ladder [--model FILE|HF_DIR] [--prompts FILE] [--backend B] [--rungs unit,layer,graph]
                     [--keep-going] [--report DIR] [--baseline DIR] [--coverage] [--plant-fault NAME[@LAYER]]
-                    [--new-tokens N] [--skip-determinism] [-n WORKERS] [-- EXTRA PYTEST ARGS]
+                    [--new-tokens N] [--skip-determinism] [--shard I/N] [-n WORKERS] [-- EXTRA PYTEST ARGS]
+    nanoqwen ladder merge REPORT... [--report DIR] [--baseline DIR] [--coverage]
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def rung_command(rung: str, out: Path, args, extra: list[str]) -> list[str]:
            "--junitxml", str(out / f"junit-{rung}.xml"), "-o", "junit_family=xunit2"]
     if args.workers != "0":
         cmd += ["-n", args.workers]
-    for opt in ("backend", "quant", "model", "prompts", "plant_fault", "hypothesis_profile", "new_tokens"):
+    for opt in ("backend", "quant", "model", "prompts", "plant_fault", "hypothesis_profile", "new_tokens", "shard"):
         value = getattr(args, opt, None)
         if value:
             cmd += [f"--{opt.replace('_', '-')}", str(value)]
@@ -77,6 +78,16 @@ def cmd_ladder(args) -> int:
     from ladder import report as ladder_report
     from engine.resolve import resolve_model
 
+    extra_args = list(args.pytest_args or [])
+    if extra_args and extra_args[0] == "merge":  # `nanoqwen ladder merge REPORT...`
+        return cmd_merge(args, extra_args[1:])
+    if args.shard:
+        from ladder.shards import ShardError, parse_shard
+
+        try:
+            parse_shard(args.shard)
+        except ShardError as e:
+            raise LadderArgumentError(str(e)) from None
     rungs = [r.strip() for r in args.rungs.split(",") if r.strip()]
     unknown = sorted(set(rungs) - set(RUNGS))
     if unknown or not rungs:
@@ -145,7 +156,9 @@ def cmd_ladder(args) -> int:
         code = subprocess.call(rung_command(rung, out, args, extra), cwd=ROOT, env=env)
         data = json.loads(rung_json.read_text()) if rung_json.exists() else {}
         ran = sum(data.get("rungs", {}).get(rung, {}).values()) if data else 0
-        if code == 5 or ran == 0:  # pytest's "no tests collected", or a run that wrote no result
+        if args.shard and data and ran == 0 and code in (0, 5):
+            code = 0  # this shard holds none of the rung's tests; `ladder merge` fails a rung empty in every shard
+        elif code == 5 or ran == 0:  # pytest's "no tests collected", or a run that wrote no result
             print(f"nanoqwen: rung {rung} collected no test" + ("" if data else f" (no {rung_json.name} written)"),
                   file=sys.stderr)
             code = code or 5
@@ -156,16 +169,52 @@ def cmd_ladder(args) -> int:
                 print(f"nanoqwen: rung {rung} is red; stopping (--keep-going runs the rest)", file=sys.stderr)
                 break
     meta = {"model": args.model or "default", "backends": [args.backend or "auto"], "formats": formats, "started": started,
-            "plant_fault": args.plant_fault, "argv": sys.argv[1:]}
+            "plant_fault": args.plant_fault, "argv": sys.argv[1:], "shard": args.shard}
     rep = ladder_report.merge(results, meta)
     if baseline is not None:
         rep["regressions"] = ladder_report.compare_baseline(rep, baseline)
         failed = failed or bool(rep["regressions"])
     uncovered = [f"{b}/{op}" for b, ops in rep["coverage"].items() for op, r in ops.items() if not r]
-    if args.coverage and uncovered and len(rungs) == len(RUNGS):
+    if args.coverage and uncovered and len(rungs) == len(RUNGS) and not args.shard:  # a shard's coverage is partial
         failed = True
     rep["meta"]["result"] = "FAILED" if failed else "passed"
     ladder_report.write(out, rep)
+    print_table(rep, args.coverage)
+    print(f"report: {out}/report.md, report.json, junit-*.xml")
+    return 1 if failed else 0
+
+
+_RUN_ONLY = ("model", "prompts", "plant_fault", "shard", "require_backend", "backend", "hypothesis_profile", "new_tokens")
+
+
+def cmd_merge(args, folders: list[str]) -> int:
+    """`nanoqwen ladder merge REPORT... [--report OUT] [--baseline DIR] [--coverage]`: one report from
+    the report folders of the shards of one run (ladder/shards.py)."""
+    from ladder import report as ladder_report
+    from ladder.shards import ShardError, merge_reports
+
+    given = [f"--{o.replace('_', '-')}" for o in _RUN_ONLY if getattr(args, o, None)]
+    if given:
+        raise LadderArgumentError(f"ladder merge: {', '.join(given)} belong to a run, not to a merge "
+                                  f"(merge takes report folders, --report, --baseline and --coverage)")
+    missing = [f for f in folders if not Path(f).expanduser().is_dir()]
+    if missing:
+        raise LadderArgumentError(f"ladder merge: {missing[0]}: no such folder")
+    baseline = None
+    if args.baseline:
+        try:
+            baseline = ladder_report.load(Path(args.baseline).expanduser())
+        except (OSError, ValueError) as e:
+            raise LadderArgumentError(f"--baseline {args.baseline}: {e}") from None
+    from engine.outpath import check_output_folder
+
+    out = Path(args.report or f"reports/ladder-merged-{datetime.datetime.now():%Y%m%d-%H%M%S}").expanduser().resolve()
+    check_output_folder(out)
+    try:
+        rep, failed = merge_reports(folders, out, baseline=baseline, coverage=args.coverage)
+    except ShardError as e:
+        raise LadderArgumentError(str(e)) from None
+    print(f"merged {rep['meta']['shards']} report(s): {', '.join(rep['meta']['merged_from'])}")
     print_table(rep, args.coverage)
     print(f"report: {out}/report.md, report.json, junit-*.xml")
     return 1 if failed else 0
@@ -223,6 +272,8 @@ def register(sub) -> None:
                                                               "(default: past the next page boundary)")
     lad.add_argument("--skip-determinism", action="store_true",
                      help="graph rung: skip the three-run determinism test (slow machines)")
+    lad.add_argument("--shard", metavar="I/N", help="run shard I of N of every rung (a stable hash of each test's id; "
+                                                     "`nanoqwen ladder merge R1 ... RN` joins the shards' report folders)")
     lad.add_argument("-n", "--workers", default="auto", help="pytest-xdist workers per rung ('0' for none)")
     lad.add_argument("pytest_args", nargs="*", metavar="-- PYTEST ARGS",
                      help="extra arguments for every rung's pytest, after `--`")
