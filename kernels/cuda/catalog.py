@@ -7,7 +7,8 @@ plain literals:
 - `VARIANTS`: the GEMV variants it ships, e.g. "t128_r4" (CUDA cores: threads per block, accumulator
   rows per block) or "tc_w8_u4" (tensor cores: warps per block, groups per load batch);
 - `DEFAULT_CONFIG`: op -> variant, for each of the four quantized ops;
-- `GEMV_KERNEL`: the prefix of its GEMV entry points, `<GEMV_KERNEL>_<epilogue>_<variant>`.
+- `GEMV_KERNEL`: the prefix of its GEMV entry points, `<GEMV_KERNEL>_<epilogue>_<variant>`;
+- optionally `PREFILL_VARIANTS`: its prefill kernels, when it ships more than one.
 
 The backend (kernels/cuda/__init__.py) imports every launcher this lists; the CPU-side tests
 (ladder/unit/test_cuda_build.py, test_cuda_variants.py) read the same literals from here, by file
@@ -43,15 +44,18 @@ def _read(path: Path) -> dict | None:
         if key not in names:
             raise LookupError(f"kernels/cuda/{path.name} assigns LINEAR but no {key} literal")
         found[key.lower()] = ast.literal_eval(names[key])
+    # optional: a format with more than one prefill kernel lists them (backend.prefill_variant picks)
+    prefill = tuple(ast.literal_eval(names["PREFILL_VARIANTS"])) if "PREFILL_VARIANTS" in names else ()
     variants, config = tuple(found["variants"]), dict(found["default_config"])
     if set(config) != set(LINEAR_OPS) or not set(config.values()) <= set(variants):
         raise LookupError(f"kernels/cuda/{path.name}: DEFAULT_CONFIG must pick one of VARIANTS {variants} "
                           f"for each of {LINEAR_OPS}, got {config}")
-    return {"variants": variants, "default_config": config, "gemv_kernel": str(found["gemv_kernel"])}
+    return {"variants": variants, "default_config": config, "gemv_kernel": str(found["gemv_kernel"]),
+            "prefill_variants": prefill}
 
 
 def launchers() -> dict[str, dict]:
-    """format name -> {"variants", "default_config", "gemv_kernel"} for every launcher module here."""
+    """format name -> {"variants", "default_config", "gemv_kernel", "prefill_variants"} for every launcher here."""
     found = {}
     for path in sorted(HERE.glob("*.py")):
         if path.stem.startswith("_"):

@@ -100,26 +100,14 @@ def test_gemv_variant_matches_reference_at_every_tile_edge(backend, format_varia
         config[op] = saved
 
 
-def _prefill_variants(fmt) -> tuple:
-    """The prefill kernels a format's launcher ships (`PREFILL_VARIANTS`), or (None,) for one kernel."""
-    path = ROOT / "kernels" / "cuda" / f"{fmt}.py"
-    if not path.exists():
-        return (None,)
-    import ast
-
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "PREFILL_VARIANTS" for t in node.targets):
-            return tuple(ast.literal_eval(node.value))
-    return (None,)
-
-
 @pytest.mark.parametrize("op", LINEAR_OPS)
 def test_prefill_path_matches_reference_at_every_tile_edge(backend, quant_format, op):
     """Every prefill kernel of the format, T and rows on, below and past its tiles (64 x 128 and 128 x
     128), inputs of one, three and five groups (a pipeline deeper than the K steps, and wrapping it)."""
     gemv_max = getattr(backend, "gemv_max_tokens", 1)
     chosen = getattr(backend, "prefill_variant", None)
-    variants = _prefill_variants(quant_format.name) if chosen is not None else (None,)  # else: one kernel per format
+    # every prefill kernel the launcher lists (catalog.py); one kernel per format: its only path
+    variants = (LAUNCHERS.get(quant_format.name, {}).get("prefill_variants") or (None,)) if chosen is not None else (None,)
     for variant in variants:
         saved = chosen.get(quant_format.name) if variant is not None else None
         if variant is not None:
