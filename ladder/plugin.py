@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -356,11 +357,20 @@ class _Summary:
         self.failures: list[str] = []
         self.unsupported = Counter()  # (backend, format) -> tests that failed for want of a kernel
         self.shard: str | None = None  # --shard I/N of this run
+        self.durations: list[tuple[float, str]] = []  # (seconds of a setup or call phase, node id)
+        self.total: int | None = None  # tests to run, where the collection says (progress lines)
+        self.finished = 0
+        self.started = time.monotonic()
+        self.last_progress = self.started
 
     def add(self, report, rung: str):
+        if report.when in ("setup", "call"):  # a slow setup is a fixture (a model load, the graph rung's bounds)
+            self.durations.append((float(getattr(report, "duration", 0.0) or 0.0),
+                                   report.nodeid + (" [setup]" if report.when == "setup" else "")))
         if report.when == "call" or (report.when != "call" and report.failed) or (report.when == "setup" and report.skipped):
             outcome = report.outcome
             self.counts[rung][outcome] += 1
+            self.finished += 1
             if report.skipped:
                 reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
                 self.skips[rung][reason.removeprefix("Skipped: ")] += 1
@@ -384,6 +394,19 @@ class _Summary:
             elif key == "nanoqwen_graph_bounds" and value not in self.graph_bounds:
                 self.graph_bounds.append(value)
 
+    def progress(self) -> str | None:
+        """A progress line every PROGRESS_SECONDS (long rungs: the graph rung on a GPU runs for many
+        minutes with nothing but dots): tests finished, of how many, the rate, the slowest so far."""
+        now = time.monotonic()
+        if now - self.last_progress < PROGRESS_SECONDS or not self.finished:
+            return None
+        self.last_progress = now
+        minutes = (now - self.started) / 60
+        of = f" of {self.total}" if self.total else ""
+        slow = max(self.durations, default=None)
+        return (f"[nanoqwen] {self.finished}{of} tests in {minutes:.1f} min ({self.finished / max(minutes, 1e-9):.1f}/min)"
+                + (f"; slowest so far {slow[0]:.1f} s: {slow[1]}" if slow else ""))
+
     def as_json(self) -> dict:
         return {
             "rungs": {r: dict(self.counts[r]) for r in RUNGS},
@@ -403,6 +426,7 @@ class _Summary:
             "failures": self.failures,
             "unsupported": [{"backend": b, "format": f, "tests": n} for (b, f), n in sorted(self.unsupported.items())],
             "shard": self.shard,
+            "slowest": [{"seconds": d, "test": n} for d, n in sorted(self.durations, reverse=True)[:SLOWEST]],
         }
 
     def graph_summaries(self):
@@ -412,6 +436,8 @@ class _Summary:
 
 
 _CONFIG: dict = {}  # the session's config, for hooks that are not handed it
+PROGRESS_SECONDS = float(os.environ.get("NANOQWEN_PROGRESS_SECONDS", "60"))  # between progress lines
+SLOWEST = 15  # the slowest tests kept in the ladder JSON and the report
 
 
 def pytest_runtest_logreport(report):
@@ -420,6 +446,25 @@ def pytest_runtest_logreport(report):
         return
     rung = next((r for r in RUNGS if f"ladder/{r}/" in report.nodeid.replace(os.sep, "/")), "other")
     config._nanoqwen.add(report, rung)
+    if not _is_worker(config):
+        line = config._nanoqwen.progress()
+        tr = config.pluginmanager.get_plugin("terminalreporter")
+        if line and tr is not None:
+            tr.write_line("")
+            tr.write_line(line)
+
+
+def pytest_collection_finish(session):
+    if not _is_worker(session.config):  # without workers, this process collected everything
+        session.config._nanoqwen.total = len(session.items)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """With workers, the controller learns the test count from the first worker's collection."""
+    config = _CONFIG.get("config")
+    if config is not None and config._nanoqwen.total is None:
+        config._nanoqwen.total = len(ids)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

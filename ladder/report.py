@@ -16,11 +16,13 @@ from pathlib import Path
 from kernels import OPS
 
 BASELINE_GROWTH = 1.5  # an op's worst multiple of its noise floor may grow this much before it is flagged
+SLOWEST = 15  # the slowest tests over all rungs, in report.json and report.md
 
 
 def merge(rung_results: dict[str, dict], meta: dict) -> dict:
-    ops, calls, failures, rungs, skips, unsupported = [], [], [], {}, {}, []
+    ops, calls, failures, rungs, skips, unsupported, slowest = [], [], [], {}, {}, [], []
     for rung, data in rung_results.items():
+        slowest += [{**d, "rung": rung} for d in data.get("slowest", [])]
         unsupported += [{**u, "rung": rung} for u in data.get("unsupported", [])]
         rungs[rung] = {**data.get("rungs", {}).get(rung, {}), "exit": data.get("exit"), "seconds": data.get("seconds")}
         skips[rung] = data.get("skips", {}).get(rung, {})
@@ -28,7 +30,8 @@ def merge(rung_results: dict[str, dict], meta: dict) -> dict:
         calls += [c for c in data.get("calls", []) if c["rung"] == rung]
         failures += data.get("failures", [])
     return {"meta": meta, "rungs": rungs, "skips": skips, "ops": ops, "calls": calls, "failures": failures,
-            "unsupported": unsupported, "coverage": coverage(calls), "graph": graph_section(rung_results)}
+            "unsupported": unsupported, "coverage": coverage(calls), "graph": graph_section(rung_results),
+            "slowest": sorted(slowest, key=lambda d: -d["seconds"])[:SLOWEST]}
 
 
 def graph_section(rung_results: dict[str, dict]) -> dict:
@@ -108,6 +111,9 @@ def markdown(report: dict) -> str:
                     for u in report["unsupported"]]]
     if report["failures"]:
         lines += ["", "## Failures", "", *[f"- `{f}`" for f in report["failures"]]]
+    if report.get("slowest"):
+        lines += ["", "## Slowest tests", "", "| rung | seconds | test |", "| --- | --- | --- |",
+                  *[f"| {d['rung']} | {d['seconds']:.1f} | `{d['test']}` |" for d in report["slowest"]]]
     return "\n".join(lines) + "\n"
 
 

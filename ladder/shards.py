@@ -108,6 +108,7 @@ def merge_rung_data(parts: list[dict]) -> dict:
         out["graph_bounds"] += part.get("graph_bounds", [])
         out["near_ties"] += part.get("near_ties", [])
         out["failures"] += part.get("failures", [])
+        out.setdefault("slowest", []).extend(part.get("slowest", []))
     called = {(b, op) for (_, b, op) in calls}
     backends = {b for (_, b, _) in calls}
     from kernels import OPS
@@ -125,6 +126,7 @@ def merge_rung_data(parts: list[dict]) -> dict:
         "near_ties": sorted(out["near_ties"], key=lambda d: (str(d.get("backend")), str(d.get("prompt_id")), d.get("position", 0))),
         "failures": sorted(out["failures"]),
         "unsupported": [{"backend": b, "format": f, "tests": n} for (b, f), n in sorted(unsupported.items())],
+        "slowest": sorted(out.get("slowest", []), key=lambda d: -d["seconds"])[:15],
     }
 
 

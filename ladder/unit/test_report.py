@@ -43,3 +43,31 @@ def test_report_round_trips_through_its_folder(tmp_path):
     assert ladder_report.load(tmp_path) == rep
     md = (tmp_path / "report.md").read_text()
     assert "| unit | 0 | 3 | 0 | 1 |" in md and "1.25x" in md and "no GPU" in md
+
+
+def test_the_slowest_tests_of_every_rung_are_ranked_in_the_report():
+    rung_results = {
+        "unit": {"rungs": {"unit": {"passed": 2}}, "exit": 0, "seconds": 4.0, "slowest": [{"seconds": 0.5, "test": "u::a"}, {"seconds": 3.0, "test": "u::b"}]},
+        "graph": {"rungs": {"graph": {"passed": 1}}, "exit": 0, "seconds": 9.5, "slowest": [{"seconds": 9.0, "test": "g::c [setup]"}]},
+    }
+    rep = ladder_report.merge(rung_results, {"model": "default"})
+    assert [(d["rung"], d["test"]) for d in rep["slowest"]] == [("graph", "g::c [setup]"), ("unit", "u::b"), ("unit", "u::a")]
+    md = ladder_report.markdown({**rep, "meta": {**rep["meta"], "result": "passed"}})
+    assert "## Slowest tests" in md and "| graph | 9.0 | `g::c [setup]` |" in md
+
+
+def test_a_long_rung_prints_progress_with_the_rate_and_the_slowest_test(monkeypatch):
+    from types import SimpleNamespace
+
+    from ladder import plugin
+
+    s = plugin._Summary()
+    s.total = 10
+    assert s.progress() is None  # nothing finished yet
+    for when, dur in (("setup", 4.0), ("call", 0.5), ("teardown", 0.0)):
+        s.add(SimpleNamespace(when=when, outcome="passed", failed=False, skipped=False, duration=dur,
+                              nodeid="ladder/graph/t.py::x", user_properties=[]), "graph")
+    monkeypatch.setattr(plugin, "PROGRESS_SECONDS", 0.0)
+    line = s.progress()
+    assert line.startswith("[nanoqwen] 1 of 10 tests in ") and "slowest so far 4.0 s: ladder/graph/t.py::x [setup]" in line
+    assert s.as_json()["slowest"][0] == {"seconds": 4.0, "test": "ladder/graph/t.py::x [setup]"}
