@@ -343,9 +343,12 @@ def main(args) -> int:
     prompt = rng.integers(0, cfg.vocab_size, args.prompt_len).astype(np.int32).tolist()
 
     if not args.no_before:  # the step as shipped (or as --before-set says), before the sweeps pick: same run, ratios hold
-        with backend_settings(model.backend, args.before_set) as settings:
-            results["before"] = {"settings": settings, "gemv_config": dict(model.backend.gemv_config["int4_sym_g128"]),
-                                 "graph_ms_median": graph_step_ms(model, prompt), "ttft_ms": ttft_ms(model, prompt)}
+        try:
+            with backend_settings(model.backend, args.before_set) as settings:
+                results["before"] = {"settings": settings, "gemv_config": dict(model.backend.gemv_config["int4_sym_g128"]),
+                                     "graph_ms_median": graph_step_ms(model, prompt), "ttft_ms": ttft_ms(model, prompt)}
+        except ValueError as e:  # a knob refused its value (the message names the value and the choices)
+            raise SystemExit(f"nanoqwen bench: --before-set {args.before_set}: {e}") from None
         print(f"  before ({settings or 'shipped defaults'}): decode step {results['before']['graph_ms_median']:.3f} ms, "
               f"TTFT {results['before']['ttft_ms']:.2f} ms", flush=True)
     seq, first = prefilled(model, prompt)
