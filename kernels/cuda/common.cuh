@@ -67,15 +67,21 @@ __device__ __forceinline__ void h2x2f(u32 w, float& lo, float& hi) {
 // The pair (2k, 2k+1) matches two consecutive fp16 activations, i.e. one 32-bit word of x, so a
 // 16-byte load of x (8 halves, 4 words) lines up with one qweight word's 4 pairs.
 
+// Pair c (elements 2c, 2c+1) of a qweight word as the half2 (n - z, n' - z), exact: `zz` is the half2
+// (1024 + z, 1024 + z), 0x64086408 for int4_sym_g128's fixed zero point 8 (int4_asym_g128 passes its
+// group's). c may be a lane's runtime index (the prefill kernel's B fragment) or a constant.
+__device__ __forceinline__ u32 int4_pair(u32 word, int c, u32 zz = 0x64086408u) {
+    u32 t, q;
+    // lop3 LUT 0xEA = (a & b) | c  with a = word >> 4c, b = 0x000F000F, c = 0x64006400
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(t) : "r"(word >> (4 * c)), "r"(0x000F000Fu), "r"(0x64006400u));
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(q) : "r"(t), "r"(zz));
+    return q;
+}
+
 // q[k] = half2 (element 2k - 8, element 2k+1 - 8) of `word`, k = 0..3.
 __device__ __forceinline__ void unpack_int4_pairs(u32 word, u32 (&q)[4]) {
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        u32 t;
-        // lop3 LUT 0xEA = (a & b) | c  with a = word >> 4k, b = 0x000F000F, c = 0x64006400
-        asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(t) : "r"(word >> (4 * k)), "r"(0x000F000Fu), "r"(0x64006400u));
-        asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(q[k]) : "r"(t), "r"(0x64086408u));
-    }
+    for (int k = 0; k < 4; ++k) q[k] = int4_pair(word, k);
 }
 
 // fp32 dot product of 8 fp16 weights (4 words) with 8 fp16 activations (4 words).

@@ -34,12 +34,7 @@ __device__ __forceinline__ u32 zero_pair(u32 scale_zero) {
 // subtracting zz = half2 (1024 + z, 1024 + z) leaves q - z exactly (-15 .. 15).
 __device__ __forceinline__ void unpack_int4_pairs_zero(u32 word, u32 zz, u32 (&q)[4]) {
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        u32 t;
-        // lop3 LUT 0xEA = (a & b) | c  with a = word >> 4k, b = 0x000F000F, c = 0x64006400
-        asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(t) : "r"(word >> (4 * k)), "r"(0x000F000Fu), "r"(0x64006400u));
-        asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(q[k]) : "r"(t), "r"(zz));
-    }
+    for (int k = 0; k < 4; ++k) q[k] = int4_pair(word, k, zz);  // common.cuh
 }
 
 

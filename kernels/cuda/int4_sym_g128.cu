@@ -577,14 +577,6 @@ int4_mma_f32(const f16_bits* __restrict__ x, const u32* __restrict__ qweight, co
 #define PIPE_STAGES 3
 
 
-// pair c (elements 2c, 2c+1) of a ValueShuffle word as the half2 (n - 8, n' - 8), exact.
-__device__ __forceinline__ u32 int4_pair(u32 word, int c) {
-    u32 t, q;
-    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(t) : "r"(word >> (4 * c)), "r"(0x000F000Fu), "r"(0x64006400u));
-    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(q) : "r"(t), "r"(0x64086408u));
-    return q;
-}
-
 // x fp16 [T, K], qweight uint32 [N, K/8], scales fp16 [N, K/128] -> y fp32 [T, N]. K % 128 == 0.
 // MI = mma tiles per warp along M: BM = 32 MI tokens (MI = 4: 128 x 128 tiles, 216 registers, one block
 // an SM; MI = 2: 64 x 128 tiles, half the accumulators, two blocks an SM).
