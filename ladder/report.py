@@ -34,6 +34,23 @@ def merge(rung_results: dict[str, dict], meta: dict) -> dict:
             "slowest": sorted(slowest, key=lambda d: -d["seconds"])[:SLOWEST]}
 
 
+def conclude(rung_results: dict[str, dict], meta: dict, out: Path, failed: bool, baseline: dict | None = None,
+             require_coverage: bool = False) -> tuple[dict, bool]:
+    """Fold the rung results into the report, judge it and write it to `out`: a run that is `failed`
+    already (a red rung) stays failed; a regression against `baseline`, or an op no rung called when
+    `require_coverage`, fails it. Returns (report, failed). `nanoqwen ladder` and `ladder merge` both end here."""
+    rep = merge(rung_results, meta)
+    if baseline is not None:
+        rep["regressions"] = compare_baseline(rep, baseline)
+        failed = failed or bool(rep["regressions"])
+    uncovered = [f"{b}/{op}" for b, ops in rep["coverage"].items() for op, r in ops.items() if not r]
+    if require_coverage and uncovered:
+        failed = True
+    rep["meta"]["result"] = "FAILED" if failed else "passed"
+    write(out, rep)
+    return rep, failed
+
+
 def graph_section(rung_results: dict[str, dict]) -> dict:
     """The graph rung's token summary from the rung files (the plugin's `graph*` and `near_ties` keys):
     per backend totals, the bounds (each distinct one once), the flatness check and the near-ties."""

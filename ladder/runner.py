@@ -170,15 +170,9 @@ def cmd_ladder(args) -> int:
                 break
     meta = {"model": args.model or "default", "backends": [args.backend or "auto"], "formats": formats, "started": started,
             "plant_fault": args.plant_fault, "argv": sys.argv[1:], "shard": args.shard}
-    rep = ladder_report.merge(results, meta)
-    if baseline is not None:
-        rep["regressions"] = ladder_report.compare_baseline(rep, baseline)
-        failed = failed or bool(rep["regressions"])
-    uncovered = [f"{b}/{op}" for b, ops in rep["coverage"].items() for op, r in ops.items() if not r]
-    if args.coverage and uncovered and len(rungs) == len(RUNGS) and not args.shard:  # a shard's coverage is partial
-        failed = True
-    rep["meta"]["result"] = "FAILED" if failed else "passed"
-    ladder_report.write(out, rep)
+    # coverage is judged on a whole ladder: not on a subset of rungs, nor on a shard (its calls are partial)
+    rep, failed = ladder_report.conclude(results, meta, out, failed, baseline,
+                                         require_coverage=args.coverage and len(rungs) == len(RUNGS) and not args.shard)
     print_table(rep, args.coverage)
     print(f"report: {out}/report.md, report.json, junit-*.xml")
     return 1 if failed else 0

@@ -226,13 +226,4 @@ def merge_reports(folders: list[str], out: Path, baseline: dict | None = None, c
     meta = {**{k: first.get(k) for k in _SAME_RUN}, "started": min(str(r["meta"].get("started")) for r in reports),
             "merged_from": [str(p) for p in paths], "shards": len(paths),
             "machine_seconds": sum(r["rungs"][g].get("seconds") or 0.0 for r in reports for g in r["rungs"])}
-    rep = ladder_report.merge(results, meta)
-    if baseline is not None:
-        rep["regressions"] = ladder_report.compare_baseline(rep, baseline)
-        failed |= bool(rep["regressions"])
-    uncovered = [f"{b}/{op}" for b, ops in rep["coverage"].items() for op, r in ops.items() if not r]
-    if coverage and uncovered:
-        failed = True
-    rep["meta"]["result"] = "FAILED" if failed else "passed"
-    ladder_report.write(out, rep)
-    return rep, failed
+    return ladder_report.conclude(results, meta, out, failed, baseline, require_coverage=coverage)
