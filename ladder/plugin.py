@@ -34,6 +34,8 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
+from ladder.report import SLOWEST
+
 from kernels import (OPS, backend_available, backend_class, backend_names, backend_needs_device,
                      get_backend)
 
@@ -437,7 +439,6 @@ class _Summary:
 
 _CONFIG: dict = {}  # the session's config, for hooks that are not handed it
 PROGRESS_SECONDS = float(os.environ.get("NANOQWEN_PROGRESS_SECONDS", "60"))  # between progress lines
-SLOWEST = 15  # the slowest tests kept in the ladder JSON and the report
 
 
 def pytest_runtest_logreport(report):

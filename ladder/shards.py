@@ -28,6 +28,7 @@ from collections import Counter
 from pathlib import Path
 
 from engine.errors import NanoqwenError
+from ladder import report as ladder_report
 
 
 class ShardError(NanoqwenError):
@@ -126,7 +127,7 @@ def merge_rung_data(parts: list[dict]) -> dict:
         "near_ties": sorted(out["near_ties"], key=lambda d: (str(d.get("backend")), str(d.get("prompt_id")), d.get("position", 0))),
         "failures": sorted(out["failures"]),
         "unsupported": [{"backend": b, "format": f, "tests": n} for (b, f), n in sorted(unsupported.items())],
-        "slowest": sorted(out.get("slowest", []), key=lambda d: -d["seconds"])[:15],
+        "slowest": sorted(out.get("slowest", []), key=lambda d: -d["seconds"])[:ladder_report.SLOWEST],
     }
 
 
@@ -155,8 +156,6 @@ _SAME_RUN = ("model", "backends", "formats", "plant_fault")
 
 
 def _load(folder: Path) -> dict:
-    from ladder import report as ladder_report
-
     try:
         return ladder_report.load(folder)
     except (OSError, ValueError) as e:
@@ -165,8 +164,6 @@ def _load(folder: Path) -> dict:
 
 def merge_reports(folders: list[str], out: Path, baseline: dict | None = None, coverage: bool = False) -> tuple[dict, bool]:
     """Merge the shard report folders into `out`; returns (report, failed)."""
-    from ladder import report as ladder_report
-
     if len(folders) < 1:
         raise ShardError("ladder merge: give the shards' report folders (at least one)")
     paths = [Path(f).expanduser().resolve() for f in folders]
