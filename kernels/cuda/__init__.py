@@ -41,7 +41,10 @@ except ImportError as e:  # re-raised by get_backend as BackendUnavailableError
 from kernels.cuda import catalog, loader
 
 # format name -> its launcher's LINEAR (prepare, gemv, matmul_f32, variants, default_config)
-LINEARS = {name: importlib.import_module(f"kernels.cuda.{name}").LINEAR for name in catalog.launchers()}
+_LAUNCHERS = {name: importlib.import_module(f"kernels.cuda.{name}") for name in catalog.launchers()}
+LINEARS = {name: mod.LINEAR for name, mod in _LAUNCHERS.items()}
+# the prefill kernel of each launcher that ships more than one (its PREFILL_VARIANTS)
+DEFAULT_PREFILL = {name: mod.DEFAULT_PREFILL for name, mod in _LAUNCHERS.items() if hasattr(mod, "DEFAULT_PREFILL")}
 PAGE = 16
 LM_WARPS, LM_ROWS = 4, 4  # must match embed_lmhead_argmax.cu
 ATT_THREADS, ATT_MAX_ITEMS = 128, 16  # must match paged_attention.cu (paged_attention_f16)
@@ -75,6 +78,12 @@ def _need(a, dtype, name: str):
     if not a.flags.c_contiguous:
         raise ValueError(f"{name}: expected a C-contiguous array")
     return a
+
+
+def _need_attention(q, k_pages, v_pages, page_table, positions, out):
+    """The arrays every attention kernel reads and writes, in the dtypes it assumes."""
+    _need(q, np.float16, "q"), _need(k_pages, np.float16, "k_pages"), _need(v_pages, np.float16, "v_pages")
+    _need(page_table, np.int32, "page_table"), _need(positions, np.int32, "positions"), _need(out, np.float16, "out")
 
 
 def _device_name(device: int) -> str:
@@ -124,9 +133,7 @@ class CudaBackend(Backend):
         self.attention_variant = "warp"  # one of ATTENTION_VARIANTS (bench and the variant tests set it)
         self.attention_prefill_variant = "tc"  # one of ATTENTION_PREFILL_VARIANTS
         # prefill kernel per format, for launchers that ship more than one (PREFILL_VARIANTS)
-        self.prefill_variant = {name: getattr(importlib.import_module(f"kernels.cuda.{name}"), "DEFAULT_PREFILL")
-                                for name in self.linears
-                                if hasattr(importlib.import_module(f"kernels.cuda.{name}"), "DEFAULT_PREFILL")}
+        self.prefill_variant = dict(DEFAULT_PREFILL)
         # GEMV variant per format and op (bench and the variant tests set entries; each launcher's
         # DEFAULT_CONFIG to start)
         self.gemv_config = {name: dict(lin.default_config) for name, lin in self.linears.items()}
@@ -251,8 +258,7 @@ class CudaBackend(Backend):
         return "paged_attention_f16"
 
     def _attention(self, q, k_pages, v_pages, page_table, positions, out, split: bool):
-        _need(q, np.float16, "q"), _need(k_pages, np.float16, "k_pages"), _need(v_pages, np.float16, "v_pages")
-        _need(page_table, np.int32, "page_table"), _need(positions, np.int32, "positions"), _need(out, np.float16, "out")
+        _need_attention(q, k_pages, v_pages, page_table, positions, out)
         T, nq, d = q.shape
         nkv = k_pages.shape[1]
         group = nq // nkv
@@ -301,8 +307,7 @@ class CudaBackend(Backend):
         if variant not in ATTENTION_PREFILL_VARIANTS:
             raise ValueError(f"attention_prefill_variant {variant!r} is not one of {ATTENTION_PREFILL_VARIANTS}")
         if T > 1 and variant == "tc" and d in ATT_WARP_HEAD_DIMS and nq // nkv <= TC_ROWS:
-            _need(q, np.float16, "q"), _need(k_pages, np.float16, "k_pages"), _need(v_pages, np.float16, "v_pages")
-            _need(page_table, np.int32, "page_table"), _need(positions, np.int32, "positions"), _need(out, np.float16, "out")
+            _need_attention(q, k_pages, v_pages, page_table, positions, out)
             qt = TC_ROWS // (nq // nkv)  # query tokens per block
             self._k[f"attention_prefill_tc_d{d}"]((nkv, -(-T // qt)), (128,),
                                                   (q, k_pages, v_pages, page_table, positions, out, _i32(nq), _i32(nkv),
