@@ -11,6 +11,12 @@ config's values (type and sign, by key), every safetensors header entry (dtype, 
 that match the shape and lie inside the file), the index's `weight_map` and its shards, and the
 name, dtype and shape of every tensor the config needs. Each problem is one `CheckpointError` (or
 `ConfigError`, `OutputPathError`) naming the file and the key.
+
+Two checks read data, and both come before the output's temporary file is created: `tokenizer.json`
+must be one the tokenizers library accepts (`CheckpointTokenizerError`, with the library's reason), and
+every tensor the model takes must be finite (`NonFiniteWeightError`, naming the file, the tensor, the
+first NaN or infinity's index and value). The finiteness scan reads each tensor's raw bits once, a chunk
+at a time, before the conversion reads it again to quantize or copy it.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.config import Qwen2Config
-from engine.errors import ConfigError, NanoqwenError, OutputPathError
+from engine.errors import ConfigError, NanoqwenError, OutputPathError, one_line
 from engine.formats import DEFAULT_FORMAT, get_format
 from engine.modelfile import PendingTensor, write_model
 from engine.outpath import check_output_path
@@ -35,10 +41,32 @@ class CheckpointError(NanoqwenError):
     """A Hugging Face checkpoint folder that cannot be converted; the message names the file."""
 
 
+class NonFiniteWeightError(CheckpointError):
+    """A checkpoint tensor holding a NaN or an infinity: no format can quantize it, and kept as fp16 it
+    would poison every logit. Names the file, the tensor, the first bad index and its value."""
+
+    def __init__(self, path, tensor: str, index: tuple[int, ...], value: str, count: int, quant: str | None):
+        self.path, self.tensor, self.index, self.value, self.count, self.quant = (
+            str(path), tensor, index, value, count, quant)
+        more = f" (the first of {count} non-finite values)" if count > 1 else ""
+        why = (f"{quant} cannot quantize a NaN or an infinity" if quant else
+               "a NaN or an infinity in a tensor kept as float16 poisons every logit")
+        super().__init__(f"{path}: tensor {tensor} holds {value} at index {index}{more}; {why} "
+                         f"(the checkpoint is broken)")
+
+
+class CheckpointTokenizerError(CheckpointError):
+    """A checkpoint's tokenizer.json that is not UTF-8 or that the tokenizers library refuses."""
+
+
 _ST_DTYPES = {"BF16": 2, "F16": 2, "F32": 4}  # the dtypes read
 _ST_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2,
                 "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "F64": 8, "I64": 8, "U64": 8}
 _ST_MAX_HEADER = 100 << 20  # the safetensors format's own limit on a header
+# dtype -> (bits' dtype, exponent mask, mantissa mask): a value is NaN or infinite when its exponent is all ones
+_ST_NONFINITE = {"BF16": ("<u2", 0x7F80, 0x007F), "F16": ("<u2", 0x7C00, 0x03FF),
+                 "F32": ("<u4", 0x7F800000, 0x007FFFFF)}
+_SCAN_CHUNK = 64 << 20  # bytes per read of the finiteness scan (a multiple of every item size)
 INDEX = "model.safetensors.index.json"
 
 
@@ -241,6 +269,46 @@ class SafetensorsFolder:
             return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32).reshape(shape)
         return raw.view("<f2" if dtype == "F16" else "<f4").astype(np.float32).reshape(shape)
 
+    def first_non_finite(self, name: str) -> tuple[tuple[int, ...], str, int] | None:
+        """(index, "nan" / "inf" / "-inf", how many) of the tensor's first NaN or infinity, or None.
+
+        Reads the raw bits a chunk at a time (no float32 copy, memory bounded by the chunk)."""
+        path, meta, base = self.entries[name]
+        bits_dtype, exponent, mantissa = _ST_NONFINITE[meta["dtype"]]
+        start, end = (base + o for o in meta["data_offsets"])
+        first, count, seen = None, 0, 0
+        try:
+            with open(path, "rb") as f:
+                f.seek(start)
+                for pos in range(start, end, _SCAN_CHUNK):
+                    want = min(_SCAN_CHUNK, end - pos)
+                    raw = f.read(want)
+                    if len(raw) != want:  # the file shrank since it was opened
+                        raise CheckpointError(f"{path}: tensor {name} runs past the end of the file")
+                    bits = np.frombuffer(raw, dtype=bits_dtype)
+                    bad = (bits & exponent) == exponent
+                    n = int(np.count_nonzero(bad))
+                    if n and first is None:
+                        i = int(np.argmax(bad))
+                        first = (seen + i, int(bits[i]))
+                    count += n
+                    seen += bits.size
+        except OSError as e:
+            raise CheckpointError(f"{path}: cannot read tensor {name} ({e.strerror or e})") from None
+        if first is None:
+            return None
+        flat, b = first
+        sign = b >> (8 * np.dtype(bits_dtype).itemsize - 1)
+        value = "nan" if b & mantissa else ("-inf" if sign else "inf")
+        return tuple(int(i) for i in np.unravel_index(flat, meta["shape"])), value, count
+
+    def check_finite(self, name: str, quant: str | None) -> None:
+        """NonFiniteWeightError if the tensor holds a NaN or an infinity (`quant`: the format it is
+        quantized to, None for a tensor kept as fp16)."""
+        found = self.first_non_finite(name)
+        if found:
+            raise NonFiniteWeightError(self.entries[name][0], name, *found, quant)
+
 
 def _check_entry(path: Path, key: str, meta, data_size: int) -> None:
     """One header entry: {"dtype": str, "shape": [ints >= 0], "data_offsets": [begin, end]} inside the
@@ -295,13 +363,16 @@ def convert(hf_dir, out_path, quant: str = DEFAULT_FORMAT, progress=None) -> Qwe
                                   f"the config implies {list(shape)}")
 
     pending: list[PendingTensor] = []
+    scan: list[tuple[str, str | None]] = []  # (tensor, the format it is quantized to, or None for fp16)
     for name, (dtype, shape) in plain_tensor_specs(config).items():
         source(name, shape)
+        scan.append((name, None))
         pending.append(PendingTensor(name, dtype, shape, lambda n=name: st.read(n).astype(np.float16)))
 
     for layer in range(config.num_hidden_layers):
         for base, (out_f, in_f) in linear_names(config, layer).items():
             source(base + ".weight", (out_f, in_f))
+            scan.append((base + ".weight", quant))
             cache: dict = {}
 
             def produce(suffix, base=base, cache=cache):
@@ -320,11 +391,32 @@ def convert(hf_dir, out_path, quant: str = DEFAULT_FORMAT, progress=None) -> Qwe
     inputs = {hf_dir / "config.json", hf_dir / INDEX, tok, *(p for p, _, _ in st.entries.values())}
     if any(out_path.resolve() == p.resolve() for p in inputs if p.exists()):
         raise OutputPathError(out_path, "is one of the checkpoint's own files; write the model elsewhere")
-    files = {}
-    if tok.exists():
-        try:
-            files["tokenizer.json"] = tok.read_bytes()
-        except OSError as e:
-            raise CheckpointError(f"{tok}: cannot read ({e.strerror or e})") from None
+    files = {"tokenizer.json": read_tokenizer(tok)} if tok.exists() else {}
+    for name, fmt_name in scan:  # before the temporary file: a broken checkpoint leaves nothing behind
+        st.check_finite(name, fmt_name)
     write_model(out_path, config.to_hf_dict(), quant, pending, files=files, progress=progress)
     return config
+
+
+def read_tokenizer(path: Path) -> bytes:
+    """The bytes of a checkpoint's tokenizer.json, refused now (CheckpointTokenizerError, with the
+    library's reason) unless the tokenizers library accepts them, not at the first `generate --prompt`."""
+    try:
+        blob = path.read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
+    try:
+        text = blob.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CheckpointTokenizerError(f"{path}: not UTF-8 (byte {e.start}: {e.reason}); the tokenizers "
+                                       f"library cannot read it") from None
+    from tokenizers import Tokenizer
+
+    try:
+        Tokenizer.from_str(text)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - the library's Rust panics derive from BaseException
+        reason = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise CheckpointTokenizerError(f"{path}: the tokenizers library refuses it ({one_line(reason, 200)})") from None
+    return blob

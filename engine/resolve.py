@@ -25,9 +25,9 @@ def resolve_model(spec: str | None, quant: str = DEFAULT_FORMAT, progress=True) 
     conversion; a file -> itself (in the format it was written in).
 
     A folder is converted once into the cache, with a progress bar on stderr (`progress=False` for
-    none, or a callable `progress(i, n, name)`). The conversion writes through a temporary file that
-    an interrupted run removes, and temporary files a killed run left in the cache are removed on the
-    cache's next use (engine/outpath.py)."""
+    none, or a callable `progress(i, n, name)`), announced once the converter's checks have passed. The
+    conversion writes through a temporary file that an interrupted run removes, and temporary files a
+    killed run left in the cache are removed on the cache's next use (engine/outpath.py)."""
     if spec is None:
         from fixtures.default_model import default_model_file
 
@@ -55,13 +55,27 @@ def resolve_model(spec: str | None, quant: str = DEFAULT_FORMAT, progress=True) 
     remove_stale_temp_files(folder)
     if not out.exists():
         if progress is True:
-            from engine.cli import progress_bar
-
-            sys.stderr.write(f"nanoqwen: converting {path} once, into {out}\n")
-            progress = progress_bar("convert")
+            progress = _announced_bar(f"nanoqwen: converting {path} once, into {out}\n")
         # Atomic (a temporary file, then a rename): parallel workers converting the same folder both succeed.
         convert(path, out, quant, progress=progress or None)
     return out
+
+
+def _announced_bar(announcement: str):
+    """A progress bar that writes `announcement` before its first step: a folder the converter refuses
+    (every check runs before the first tensor is written) is one line on stderr, the error."""
+    from engine.cli import progress_bar
+
+    bar = progress_bar("convert")
+    said = []
+
+    def show(i: int, n: int, name: str) -> None:
+        if not said:
+            said.append(True)
+            sys.stderr.write(announcement)
+        bar(i, n, name)
+
+    return show
 
 
 def prompt_ids(path, text: str | None, ids_csv: str | None):

@@ -6,18 +6,27 @@ Also: an error under a progress bar starts on a fresh line; a conversion done on
 before it starts; a reader that closes the pipe early (`nanoqwen inspect F | head`) ends the command
 quietly. Most cases run in-process through `engine.cli.main`; a few run the installed `nanoqwen` from a
 temporary folder, as a user does (skipped, with the reason, where it is not installed).
+
+A broken checkpoint (a NaN or an infinity in a weight, a tokenizer.json the tokenizers library refuses)
+is refused by `convert` and by `ladder --model HF_DIR` alike, before anything is written: one line
+naming the file and the problem, and no output or temporary file left behind.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
+import struct
 import subprocess
 import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 from engine.config import SHAPES
-from engine.convert import CheckpointError, SafetensorsFolder, convert
+from engine.convert import CheckpointError, CheckpointTokenizerError, NonFiniteWeightError, SafetensorsFolder, convert
+from engine.formats import FORMAT_MODULES
 from fixtures.tiny_model import build_random_model, random_model_dir, random_model_file
 from engine.cli import main as cli_main
 from kernels import cuda_available
@@ -175,6 +184,123 @@ def installed(*args, cwd):
     """The installed command from `cwd`, nothing of the checkout on its path (ladder/nested.py)."""
     return subprocess.Popen([EXE, *args], cwd=cwd, env=child_env(backend=None, pythonpath=None),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+# --- broken checkpoints: refused before anything is written ---------------------------------------
+
+LAST_LINEAR = "model.layers.1.mlp.down_proj.weight"  # the last tensor written: one line means nothing was
+F16_BITS = {"nan": 0x7E00, "inf": 0x7C00, "-inf": 0xFC00}
+
+
+def plant(folder: Path, tensor: str, index: tuple[int, ...], value: str) -> None:
+    """Overwrite one element of an fp16 tensor in the folder's model.safetensors with NaN or an infinity."""
+    path = folder / "model.safetensors"
+    raw = bytearray(path.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    meta = json.loads(raw[8: 8 + n])[tensor]
+    assert meta["dtype"] == "F16"
+    at = 8 + n + meta["data_offsets"][0] + 2 * int(np.ravel_multi_index(index, meta["shape"]))
+    raw[at: at + 2] = struct.pack("<H", F16_BITS[value])
+    path.write_bytes(bytes(raw))
+
+
+def refuse(argv: list[str], folder: Path, capsys, monkeypatch) -> str:
+    """Run a command that must refuse `folder`; its one error line, after checking that it left nothing:
+    no output, no temporary file, nothing in the (private) cache, nothing new in the checkpoint folder."""
+    cache = folder.parent / "cache"
+    monkeypatch.setenv("NANOQWEN_CACHE", str(cache))  # `ladder --model` converts into the cache
+    before = sorted(p.name for p in folder.iterdir())
+    assert cli_main(argv) == 2
+    err = one_error_line(capsys)
+    left = [p for p in folder.parent.rglob("*") if p.is_file() and folder not in p.parents]
+    assert left == [] and sorted(p.name for p in folder.iterdir()) == before, left
+    return err
+
+
+def commands(folder: Path, quant: str) -> dict[str, list[str]]:
+    out = folder.parent / "m.nanoqwen"
+    return {"convert": ["convert", str(folder), str(out), "--quant", quant],
+            "ladder": ["ladder", "--model", str(folder), "--quant", quant]}
+
+
+@pytest.fixture
+def broken(paths, tmp_path):
+    """A private copy of the seeded checkpoint, free to break."""
+    return Path(shutil.copytree(paths / "hf", tmp_path / "hf"))
+
+
+@pytest.mark.parametrize("command", ["convert", "ladder"])
+@pytest.mark.parametrize("value", ["nan", "inf"])
+@pytest.mark.parametrize("quant", FORMAT_MODULES)
+def test_a_non_finite_weight_is_one_line_naming_file_tensor_index_and_value(broken, capsys, monkeypatch, command,
+                                                                             value, quant):
+    plant(broken, LAST_LINEAR, (200, 700), value)
+    err = refuse(commands(broken, quant)[command], broken, capsys, monkeypatch)
+    assert f"{broken / 'model.safetensors'}: tensor {LAST_LINEAR} holds {value} at index (200, 700)" in err
+    assert f"{quant} cannot quantize" in err
+
+
+@pytest.mark.parametrize("command", ["convert", "ladder"])
+@pytest.mark.parametrize("tensor,index,value", [
+    ("model.embed_tokens.weight", (511, 3), "nan"),
+    ("model.norm.weight", (5,), "-inf"),
+    ("model.layers.1.self_attn.v_proj.bias", (0,), "inf"),
+])
+def test_a_non_finite_value_in_a_tensor_kept_fp16_is_refused_too(broken, capsys, monkeypatch, command, tensor, index,
+                                                                 value):
+    plant(broken, tensor, index, value)
+    err = refuse(commands(broken, "int4_sym_g128")[command], broken, capsys, monkeypatch)
+    assert f"model.safetensors: tensor {tensor} holds {value} at index {index}" in err and "kept as float16" in err
+
+
+def test_a_non_finite_weight_error_carries_its_parts(broken, tmp_path):
+    plant(broken, LAST_LINEAR, (3, 17), "nan")
+    plant(broken, LAST_LINEAR, (9, 0), "-inf")
+    with pytest.raises(NonFiniteWeightError) as e:
+        convert(broken, tmp_path / "m.nanoqwen", "int8_sym_channel")
+    assert isinstance(e.value, CheckpointError) and "the first of 2 non-finite values" in str(e.value)
+    assert (e.value.tensor, e.value.index, e.value.value, e.value.count, e.value.quant) == (
+        LAST_LINEAR, (3, 17), "nan", 2, "int8_sym_channel")
+
+
+def library_refusal(blob: bytes) -> str:
+    """The first line of the tokenizers library's own reason for refusing `blob`."""
+    from tokenizers import Tokenizer
+
+    with pytest.raises(Exception) as e:
+        Tokenizer.from_str(blob.decode())
+    return str(e.value).splitlines()[0]
+
+
+@pytest.mark.parametrize("command", ["convert", "ladder"])
+@pytest.mark.parametrize("blob", [b'{"not": "a tokenizer"}', b'{"version": "1.0", "model": {"type": "BPE", "vo',
+                                  b"[1, 2]", b""], ids=["not-a-tokenizer", "truncated", "a-list", "empty"])
+def test_a_tokenizer_the_library_refuses_is_one_line_at_convert_time(broken, capsys, monkeypatch, command, blob):
+    (broken / "tokenizer.json").write_bytes(blob)
+    err = refuse(commands(broken, "int4_sym_g128")[command], broken, capsys, monkeypatch)
+    assert f"{broken / 'tokenizer.json'}: the tokenizers library refuses it ({library_refusal(blob)})" in err
+
+
+def test_a_tokenizer_that_is_not_utf8_is_refused_at_convert_time(broken, tmp_path):
+    (broken / "tokenizer.json").write_bytes(b'{"version": "\xff"}')
+    with pytest.raises(CheckpointTokenizerError, match="tokenizer.json: not UTF-8"):
+        convert(broken, tmp_path / "m.nanoqwen")
+    assert not (tmp_path / "m.nanoqwen").exists()
+
+
+@needs_installed
+@pytest.mark.parametrize("command", ["convert", "ladder"])
+def test_the_installed_command_refuses_a_broken_checkpoint_in_one_line(paths, tmp_path, command):
+    """As a user runs it, from a folder outside the checkout: no traceback, exit 2, nothing left behind."""
+    folder = Path(shutil.copytree(paths / "hf", tmp_path / "hf"))
+    plant(folder, "model.layers.0.mlp.down_proj.weight", (3, 17), "nan")
+    argv = {"convert": ["convert", "hf", "out.nanoqwen"], "ladder": ["ladder", "--model", "hf"]}[command]
+    proc = subprocess.Popen([EXE, *argv], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=child_env(backend=None, pythonpath=None, NANOQWEN_CACHE=str(tmp_path / "cache")))
+    out, err = (s.decode() for s in proc.communicate(timeout=300))
+    assert proc.returncode == 2 and err.count("\n") == 1 and err.startswith("nanoqwen: error: "), err[-3000:]
+    assert "tensor model.layers.0.mlp.down_proj.weight holds nan at index (3, 17)" in err
+    assert [p for p in tmp_path.rglob("*") if p.is_file() and "hf" not in p.parts] == []
 
 
 @needs_installed

@@ -2,7 +2,9 @@
 
 Refused before any work: an output path that cannot be written, an input that cannot be read, and a
 checkpoint whose config values or safetensors entries or index have the wrong type (a typed error
-naming the file and the key, and no tensor read). Interrupted conversions: test_convert_litter.py.
+naming the file and the key, and no tensor read). Refused before anything is written: a NaN or an
+infinity in a tensor, and a tokenizer.json the tokenizers library refuses (the commands' view of both:
+test_cli_errors.py). Interrupted conversions: test_convert_litter.py.
 """
 
 from __future__ import annotations
@@ -380,6 +382,28 @@ def test_a_tensor_in_two_shards_is_refused(checkpoint, tmp_path):
         save_file({**load_file(str(second)), NORM: extra[NORM]}, str(second))
     with pytest.raises(CheckpointError, match="is also in"):
         convert(checkpoint, tmp_path / "m.nanoqwen")
+
+
+@pytest.mark.parametrize("dtype,bits,value", [
+    ("BF16", 0x7FC0, "nan"), ("BF16", 0xFF80, "-inf"), ("F16", 0x7C00, "inf"), ("F16", 0xFE01, "nan"),
+    ("F32", 0x7F800000, "inf"), ("F32", 0xFFC00001, "nan"),
+])
+@pytest.mark.parametrize("chunk", [64 << 20, 8], ids=["one-read", "8-byte-reads"])
+def test_the_finiteness_scan_finds_nan_and_inf_by_their_bits(tmp_path, monkeypatch, dtype, bits, value, chunk):
+    """Every dtype read: the first NaN or infinity's index and value, and how many; the largest finite
+    values and negative zero are finite. (The commands' view: test_cli_errors.py.)"""
+    monkeypatch.setattr("engine.convert._SCAN_CHUNK", chunk)
+    code = "<u4" if dtype == "F32" else "<u2"
+    w = np.full((3, 5), {"BF16": 0x7F7F, "F16": 0x7BFF, "F32": 0x7F7FFFFF}[dtype], dtype=code)  # the largest finite
+    w[0, 1] = 1 << (8 * w.itemsize - 1)  # -0.0
+    clean = w.copy()
+    w[2, 3] = w[1, 4] = bits
+    data = w.tobytes() + clean.tobytes()
+    header = json.dumps({"bad": {"dtype": dtype, "shape": [3, 5], "data_offsets": [0, w.nbytes]},
+                         "clean": {"dtype": dtype, "shape": [3, 5], "data_offsets": [w.nbytes, len(data)]}}).encode()
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + data)
+    st = SafetensorsFolder(tmp_path)
+    assert st.first_non_finite("bad") == ((1, 4), value, 2) and st.first_non_finite("clean") is None
 
 
 def test_random_damage_to_a_safetensors_header_converts_or_is_a_typed_error(small_dir, tmp_path):
