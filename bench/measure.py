@@ -4,56 +4,28 @@ Seeded random weights made on the GPU in any format the cuda backend has (a hash
 and index, so a rerun builds the same model; each format's stored tensors filled with valid values at
 about unit gain), the bytes a decode step must read, CUDA-event timing of a graph and the copy-rate
 ceiling, the state of one decode step at a given context, the per-kernel table and the GEMV variant
-sweep. CuPy is imported inside the functions: the module imports on a machine without it.
+sweep (the timing helpers, the seeded random bits and the seeded blocks of any format come from
+ladder/gemv_timing.py). CuPy is imported inside the functions: the module imports on a machine without it.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+# The GPU timing helpers and the seeded random bits are shared with `nanoqwen quant-report`'s GEMV column,
+# so they live in the ladder (bench/ is a leaf nothing imports); bench/ imports them from here.
+from ladder.gemv_timing import (BLOCK_ROWS, copy_rate, hash_kernel, name_seed, quantized_block,  # noqa: F401
+                                time_graph)
+
 
 # ---- random weights on the GPU ---------------------------------------------------------------------
-
-_HASH = None
-
-
-def _hash_kernel():
-    global _HASH
-    if _HASH is None:
-        import cupy as cp
-
-        _HASH = cp.ElementwiseKernel(
-            "uint64 seed", "uint32 out",
-            """
-            unsigned long long z = seed + (unsigned long long)i * 0x9E3779B97F4A7C15ull;
-            z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-            z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-            out = (unsigned int)(z ^ (z >> 31));
-            """, "nanoqwen_bench_hash")
-    return _HASH
-
-
-def _seed(name: str, seed: int) -> np.uint64:
-    import zlib
-
-    return np.uint64((zlib.crc32(name.encode()) << 20) ^ (seed * 0x9E3779B1) ^ 0x5DEECE66D)
-
-
-def fill_u32(arr, name, seed):
-    """Random bits into a C-contiguous array of any dtype whose size in bytes is a multiple of 4."""
-    import cupy as cp
-
-    if arr.nbytes % 4 or not arr.flags.c_contiguous:
-        raise TypeError("fill_u32 wants a C-contiguous array of whole 4-byte words")
-    _hash_kernel()(_seed(name, seed), arr.reshape(-1).view(cp.uint8).view(cp.uint32))
-
 
 def fill_uniform_f16(arr, lo, hi, name, seed):
     """fp16 values uniform in [lo, hi) from the hash."""
     import cupy as cp
 
     u = cp.empty(arr.size, dtype=cp.uint32)
-    _hash_kernel()(_seed(name, seed), u)
+    hash_kernel()(name_seed(name, seed), u)
     arr[...] = (lo + (hi - lo) * (u.astype(cp.float32) / np.float32(2**32))).astype(cp.float16).reshape(arr.shape)
 
 
@@ -62,27 +34,15 @@ def fill_normal_f16(arr, std, name, seed):
     import cupy as cp
 
     u = cp.empty((4, arr.size), dtype=cp.uint32)
-    _hash_kernel()(_seed(name, seed), u)
+    hash_kernel()(name_seed(name, seed), u)
     x = (u.astype(cp.float32) / np.float32(2**32) - 0.5).sum(axis=0) * np.float32(np.sqrt(3.0))
     arr[...] = (x * np.float32(std)).astype(cp.float16).reshape(arr.shape)
 
 
 # ---- each format's stored tensors, through the format's own definition ------------------------------
 #
-# A linear's stored tensors are its format's own `quantize` (engine/formats) of a seeded random block of
-# BLOCK_ROWS rows, normal with std 1/sqrt(in) (about unit gain: outputs the size of the inputs), written
-# down the rows on the device block after block. Every value is one the format holds, for any format,
-# with no bench code per format; a decode step's time does not depend on the values.
-BLOCK_ROWS = 64
-
-
-def quantized_block(quant: str, rows: int, in_features: int, name: str, seed: int) -> dict[str, np.ndarray]:
-    """The stored tensors (host) of a seeded random [rows, in_features] weight in format `quant`."""
-    from engine.formats import get_format
-
-    rng = np.random.default_rng(int(_seed(name, seed)))
-    w = (rng.standard_normal((rows, in_features)) / np.sqrt(in_features)).astype(np.float32)
-    return get_format(quant).quantize(w)
+# A linear's stored tensors are its format's own `quantize` of a seeded random block of BLOCK_ROWS rows
+# (ladder/gemv_timing.py quantized_block), written down the rows on the device block after block.
 
 
 def fill_linear(q, name: str, seed: int) -> None:
@@ -169,51 +129,6 @@ def step_bytes(model, ctx: int) -> float:
     per_layer = 2 * b["rmsnorm"] + sum(b[k] for k in ("qkv_proj", "rope_kv_write", "attention_decode",
                                                        "o_proj_residual", "gate_up_silu", "down_residual"))
     return b["embed"] + L * per_layer + b["final rmsnorm"] + b["lm_head"] + b["argmax"]
-
-
-# ---- timing helpers -----------------------------------------------------------------------------
-
-def time_graph(fn, reps: int = 10, warm: int = 2) -> float:
-    """Capture fn() once as a CUDA graph (engine/cuda_graph.capture); median ms of `reps` replays (CUDA events)."""
-    import cupy as cp
-
-    from engine.cuda_graph import capture
-
-    s = cp.cuda.Stream(non_blocking=True)
-    g = capture(fn, s, what="the timed ops")  # the engine's capture helper: eager once, then captured
-    for _ in range(warm):
-        g.launch()
-    times = []
-    for _ in range(reps):
-        a, b = cp.cuda.Event(), cp.cuda.Event()
-        a.record(s)
-        g.launch()
-        b.record(s)
-        b.synchronize()
-        times.append(cp.cuda.get_elapsed_time(a, b))
-    return float(np.median(times))
-
-
-def copy_rate(nbytes: int = 4 << 30, reps: int = 10) -> float:
-    """Device-to-device copy, read + write counted, TB/s (median)."""
-    import cupy as cp
-
-    src = cp.empty(nbytes // 4, dtype=cp.uint32)
-    fill_u32(src, "copy", 1)
-    dst = cp.empty_like(src)
-    times = []
-    for i in range(reps + 2):
-        a, b = cp.cuda.Event(), cp.cuda.Event()
-        a.record()
-        dst[...] = src
-        b.record()
-        b.synchronize()
-        if i >= 2:
-            times.append(cp.cuda.get_elapsed_time(a, b))
-    ms = float(np.median(times))
-    del src, dst
-    cp.get_default_memory_pool().free_all_blocks()
-    return 2 * nbytes / (ms * 1e-3) / 1e12
 
 
 # ---- state for one decode step at a given context ---------------------------------------------------

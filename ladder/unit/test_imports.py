@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ladder.arrows import ARROWS, NARROW_ARROWS, allowed
+from ladder.arrows import ARROWS, LEAVES, NARROW_ARROWS, allowed
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -49,7 +49,22 @@ def test_the_architecture_page_draws_the_same_table():
 
 
 def test_nothing_imports_bench():
+    # bench/ consumes the other parts and provides nothing to them: no arrow, wide or narrow, points into it
+    assert LEAVES == {"bench"}
     assert not any("bench" in targets for part, targets in ARROWS.items() if part != "bench")
+    assert not [arrow for arrow in NARROW_ARROWS if arrow[1].split(".")[0] in LEAVES]
+    for part in sorted(set(ARROWS) - LEAVES):
+        assert not allowed(f"{part}.anything", "bench"), part
+        assert not allowed(f"{part}.anything", "bench.measure"), part
+
+
+def test_a_narrow_arrow_into_bench_is_still_refused(monkeypatch):
+    # how ladder.quant_report once reached bench.format_gemv: the leaf rule wins over the table
+    monkeypatch.setitem(NARROW_ARROWS, ("ladder.quant_report", "bench.format_gemv"), "a hole in the table")
+    assert not allowed("ladder.quant_report", "bench.format_gemv")
+    monkeypatch.setitem(ARROWS, "ladder", ARROWS["ladder"] | {"bench"})
+    assert not allowed("ladder.quant_report", "bench.format_gemv")
+    assert allowed("bench.format_gemv", "ladder.gemv_timing") and allowed("bench.cli", "bench.measure")
 
 
 @pytest.mark.parametrize("package", sorted(ARROWS))
@@ -80,3 +95,5 @@ def test_the_scan_sees_a_wrong_arrow(tmp_path):
     assert not allowed("engine.resolve", "fixtures.tiny_model")
     assert allowed("engine.resolve", "fixtures.default_model")
     assert not allowed("ladder.runner", "bench.cli")
+    assert not allowed("ladder.quant_report", "bench.format_gemv")
+    assert not allowed("fixtures.tiny_model", "bench.measure")
