@@ -7,7 +7,9 @@ Loaded by the repository's root conftest.py, or with `-p ladder.plugin` from an 
   a GPU and CuPy are present and show as skipped, with the reason, elsewhere); a test takes the
   `backend` fixture and runs once per backend. A backend that cannot run here is a skip with its reason,
   unless `--require-backend NAME` (or NANOQWEN_REQUIRE_GPU=1, for every backend that needs an
-  accelerator: cuda) turns that skip into a failure. Tests on such a backend also carry the `gpu` marker.
+  accelerator: cuda) turns that skip into a failure; a required backend that cannot run on this machine
+  at all refuses the run before collection (one line, exit status 2: ladder/required.py). Tests on such
+  a backend also carry the `gpu` marker.
   Backends come from the registry of kernels/ (`backend_names`, `backend_available`,
   `backend_needs_device`); nothing here tests a backend's name.
 - `--quant FORMAT|all` picks the quantization formats the `quant_format` fixture runs over, and the
@@ -20,24 +22,29 @@ Loaded by the repository's root conftest.py, or with `-p ladder.plugin` from an 
   Hypothesis' own `--hypothesis-profile`.
 - At the end, a table per rung (run, passed, failed, skipped with reasons) and each op's worst error
   as a multiple of its noise floor; `--ladder-json FILE` writes the same data, with the op calls each
-  rung made (the coverage listing), for `nanoqwen ladder`.
+  rung made (the coverage listing), for `nanoqwen ladder`. That summary, its progress lines and the
+  graph rung's near-tie flip rule live in ladder/summary.py, whose hooks this module re-exports.
+
+This module holds the options, the selection of backends and formats, the markers, the fixtures and
+the hooks around each test (op calls, error records, unsupported formats).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import time
-from collections import Counter, defaultdict
+import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
 
-from ladder.report import SLOWEST
-
-from kernels import (OPS, backend_available, backend_class, backend_names, backend_needs_device,
-                     get_backend)
+from kernels import backend_available, backend_class, backend_names, backend_needs_device, get_backend
+from ladder import required
+# The summary's hooks are this plugin's: pytest registers the hooks a plugin module holds, these included.
+from ladder.summary import (RUNGS, attach, is_worker, pytest_collection_finish,  # noqa: F401
+                            pytest_runtest_logreport, pytest_sessionfinish, pytest_terminal_summary,
+                            pytest_xdist_node_collection_finished)
 
 settings.register_profile("ci", max_examples=25, derandomize=True, deadline=None, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -45,7 +52,6 @@ settings.register_profile("nightly", max_examples=300, deadline=None, print_blob
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-RUNGS = ("unit", "layer", "graph")
 _LADDER_DIR = Path(__file__).resolve().parent
 # The markers live here, not in a configuration file, so that the installed package (no pyproject.toml
 # beside it) and `nanoqwen ladder` started from any folder know them under --strict-markers.
@@ -62,7 +68,8 @@ def pytest_addoption(parser):
     g.addoption("--backend", default=None, choices=[*backend_names(), "all"],
                 help="engine backend under test (default: every registered one; one that cannot run here skips with its reason)")
     g.addoption("--require-backend", action="append", default=[], choices=list(backend_names()),
-                help="fail, instead of skipping, when this backend cannot run here (repeatable)")
+                help="fail, instead of skipping, when this backend cannot run here; where it cannot run at all, "
+                     "the run stops before collection, one line, exit 2 (repeatable)")
     g.addoption("--quant", default="all", help="quantization format under test, or 'all' (default)")
     g.addoption("--model", default=None, metavar="FILE|HF_DIR",
                 help="model under test for the layer and graph rungs: a .nanoqwen file or a Hugging Face "
@@ -109,10 +116,25 @@ def selected_backends(config) -> list[str]:
 
 
 def required_backends(config) -> set[str]:
-    req = set(config.getoption("--require-backend") or [])
-    if os.environ.get("NANOQWEN_REQUIRE_GPU") == "1":
-        req.update(b for b in backend_names() if backend_needs_device(b))
-    return req
+    """The backends this run requires: --require-backend, and NANOQWEN_REQUIRE_GPU=1 (ladder/required.py)."""
+    return set(required.required_backends(config.getoption("--require-backend") or []))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """A required backend that cannot run on this machine refuses the run here, in the controller, before
+    pytest_configure: nothing is collected and no pytest-xdist worker starts (ladder/required.py). One
+    line on stderr, `nanoqwen: error: ...`, and exit status 2 (pytest's own would be 4, a usage error,
+    or 2 with an `Exit:` banner and a `!!!` line)."""
+    if is_worker(config) or config.option.help or config.option.version:
+        return None
+    why = required.refusal(required.required_backends(config.getoption("--require-backend") or []),
+                           selected_backends(config))
+    if why is None:
+        return None
+    sys.stdout.flush()
+    print(f"nanoqwen: error: {why}", file=sys.stderr, flush=True)
+    return 2
 
 
 def selected_formats(config) -> list[str]:
@@ -150,10 +172,6 @@ def model_formats(config) -> list[str]:
     return [quant]
 
 
-def _is_worker(config) -> bool:
-    return hasattr(config, "workerinput")
-
-
 def pytest_configure(config):
     for name, doc in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {doc}")
@@ -171,14 +189,12 @@ def pytest_configure(config):
         except ValueError as e:
             raise pytest.UsageError(str(e)) from None
     selected_formats(config)
-    config._nanoqwen = _Summary()
-    config._nanoqwen.shard = config.getoption("--shard")
-    _CONFIG["config"] = config
+    attach(config)
 
 
 def pytest_sessionstart(session):
     config = session.config
-    if config.getoption("--update-golden") and not _is_worker(config):
+    if config.getoption("--update-golden") and not is_worker(config):
         from fixtures.golden import write_golden
         from engine.resolve import resolve_model
 
@@ -342,174 +358,3 @@ def pytest_runtest_call(item):
         backend = getattr(item, "callspec", None) and item.callspec.params.get("backend_name")
         item.user_properties.append(("nanoqwen_calls", {"backend": backend, "calls": dict(_CALLS)}))
     _CALLS.clear()
-
-
-# --- the summary ---------------------------------------------------------------------------------
-
-
-class _Summary:
-    def __init__(self):
-        self.counts = defaultdict(Counter)  # rung -> outcome -> n
-        self.skips = defaultdict(Counter)  # rung -> reason -> n
-        self.worst: dict[tuple, dict] = {}  # (rung, backend, op) -> worst record
-        self.calls = defaultdict(Counter)  # (rung, backend) -> op -> n
-        self.graph: list[dict] = []  # graph rung: one ladder/tokens.py record per prompt and backend
-        self.flatness: list[dict] = []
-        self.graph_bounds: list[dict] = []  # the bounds each worker derived (the same, recorded once)
-        self.failures: list[str] = []
-        self.unsupported = Counter()  # (backend, format) -> tests that failed for want of a kernel
-        self.shard: str | None = None  # --shard I/N of this run
-        self.durations: list[tuple[float, str]] = []  # (seconds of a setup or call phase, node id)
-        self.total: int | None = None  # tests to run, where the collection says (progress lines)
-        self.finished = 0
-        self.started = time.monotonic()
-        self.last_progress = self.started
-
-    def add(self, report, rung: str):
-        if report.when in ("setup", "call"):  # a slow setup is a fixture (a model load, the graph rung's bounds)
-            self.durations.append((float(getattr(report, "duration", 0.0) or 0.0),
-                                   report.nodeid + (" [setup]" if report.when == "setup" else "")))
-        if report.when == "call" or (report.when != "call" and report.failed) or (report.when == "setup" and report.skipped):
-            outcome = report.outcome
-            self.counts[rung][outcome] += 1
-            self.finished += 1
-            if report.skipped:
-                reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-                self.skips[rung][reason.removeprefix("Skipped: ")] += 1
-            if report.failed:
-                self.failures.append(report.nodeid)
-        if report.when != "teardown":  # every phase's report carries the item's properties: read them once
-            return
-        for key, value in report.user_properties:
-            if key == "nanoqwen_check":
-                k = (rung, value["backend"], value["op"])
-                if k not in self.worst or value["multiple"] > self.worst[k]["multiple"]:
-                    self.worst[k] = value
-            elif key == "nanoqwen_calls":
-                self.calls[(rung, value["backend"])].update(value["calls"])
-            elif key == "nanoqwen_graph":
-                self.graph.append(value)
-            elif key == "nanoqwen_unsupported":
-                self.unsupported[(value["backend"], value["format"])] += 1
-            elif key == "nanoqwen_graph_flatness":
-                self.flatness.append(value)
-            elif key == "nanoqwen_graph_bounds" and value not in self.graph_bounds:
-                self.graph_bounds.append(value)
-
-    def progress(self) -> str | None:
-        """A progress line every PROGRESS_SECONDS (long rungs: the graph rung on a GPU runs for many
-        minutes with nothing but dots): tests finished, of how many, the rate, the slowest so far."""
-        now = time.monotonic()
-        if now - self.last_progress < PROGRESS_SECONDS or not self.finished:
-            return None
-        self.last_progress = now
-        minutes = (now - self.started) / 60
-        of = f" of {self.total}" if self.total else ""
-        slow = max(self.durations, default=None)
-        return (f"[nanoqwen] {self.finished}{of} tests in {minutes:.1f} min ({self.finished / max(minutes, 1e-9):.1f}/min)"
-                + (f"; slowest so far {slow[0]:.1f} s: {slow[1]}" if slow else ""))
-
-    def as_json(self) -> dict:
-        return {
-            "rungs": {r: dict(self.counts[r]) for r in RUNGS},
-            "skips": {r: dict(self.skips[r]) for r in RUNGS},
-            "ops": [{"rung": r, "backend": b, "op": o, **{k: v for k, v in rec.items() if k in
-                     ("multiple", "max_abs", "rel_l2", "floor", "case", "seed", "passed")}}
-                    for (r, b, o), rec in sorted(self.worst.items(), key=lambda kv: tuple(str(x) for x in kv[0]))],
-            "calls": [{"rung": r, "backend": b, "op": op, "n": n}
-                      for (r, b), c in sorted(self.calls.items(), key=lambda kv: tuple(str(x) for x in kv[0]))
-                      for op, n in sorted(c.items())],
-            "ops_never_called": sorted({(b, op) for (_, b) in self.calls for op in OPS}
-                                       - {(b, op) for (_, b), c in self.calls.items() for op in c}),
-            "graph": [vars(x) for x in self.graph_summaries()],
-            "graph_flatness": self.flatness,
-            "graph_bounds": self.graph_bounds,
-            "near_ties": [{**d, "backend": r["backend"]} for r in self.graph for d in r["near_ties"]],
-            "failures": self.failures,
-            "unsupported": [{"backend": b, "format": f, "tests": n} for (b, f), n in sorted(self.unsupported.items())],
-            "shard": self.shard,
-            "slowest": [{"seconds": d, "test": n} for d, n in sorted(self.durations, reverse=True)[:SLOWEST]],
-        }
-
-    def graph_summaries(self):
-        from ladder.tokens import summarize
-
-        return summarize(self.graph)
-
-
-_CONFIG: dict = {}  # the session's config, for hooks that are not handed it
-PROGRESS_SECONDS = float(os.environ.get("NANOQWEN_PROGRESS_SECONDS", "60"))  # between progress lines
-
-
-def pytest_runtest_logreport(report):
-    config = _CONFIG.get("config")
-    if config is None:
-        return
-    rung = next((r for r in RUNGS if f"ladder/{r}/" in report.nodeid.replace(os.sep, "/")), "other")
-    config._nanoqwen.add(report, rung)
-    if not _is_worker(config):
-        line = config._nanoqwen.progress()
-        tr = config.pluginmanager.get_plugin("terminalreporter")
-        if line and tr is not None:
-            tr.write_line("")
-            tr.write_line(line)
-
-
-def pytest_collection_finish(session):
-    if not _is_worker(session.config):  # without workers, this process collected everything
-        session.config._nanoqwen.total = len(session.items)
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_node_collection_finished(node, ids):
-    """With workers, the controller learns the test count from the first worker's collection."""
-    config = _CONFIG.get("config")
-    if config is not None and config._nanoqwen.total is None:
-        config._nanoqwen.total = len(ids)
-
-
-def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    if _is_worker(config):
-        return
-    s: _Summary = config._nanoqwen
-    out = config.getoption("--ladder-json")
-    if out:  # written even when nothing ran (a shard may hold none of a rung's tests)
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(s.as_json(), indent=1, default=str))
-    tr = terminalreporter
-    rungs = [r for r in (*RUNGS, "other") if s.counts[r]]
-    if not rungs:
-        return
-    tr.section("nanoqwen ladder")
-    if config.getoption("--plant-fault"):
-        tr.line(f"PLANTED FAULT {config.getoption('--plant-fault')}: this run is meant to fail", red=True)
-    tr.line(f"{'rung':<8}{'run':>6}{'passed':>8}{'failed':>8}{'skipped':>9}")
-    for r in rungs:
-        c = s.counts[r]
-        tr.line(f"{r:<8}{sum(c.values()):>6}{c['passed']:>8}{c['failed']:>8}{c['skipped']:>9}")
-        for reason, n in s.skips[r].most_common():
-            tr.line(f"          skipped {n}x: {reason}")
-    if s.worst:
-        tr.line("")
-        tr.line(f"{'rung':<8}{'backend':<11}{'op':<22}{'worst err / noise floor':>24}  case")
-        for (r, b, o), rec in sorted(s.worst.items(), key=lambda kv: tuple(str(x) for x in kv[0])):
-            mult = rec["multiple"]
-            shown = "exact" if mult == 0 else f"{mult:.2f}x"
-            flag = "" if rec["passed"] else "  FAILED"
-            tr.line(f"{r:<8}{str(b):<11}{o:<22}{shown:>24}  {rec['case']}{flag}")
-    for g in s.graph_summaries():
-        tr.line("")
-        tr.line(g.describe())
-        for d in [d for r in s.graph if r["backend"] == g.backend for d in r["near_ties"]][:10]:
-            tr.line(f"  near-tie: prompt {d['prompt_id']!r} position {d['position']}: reference {d['ref_token']}, "
-                    f"engine {d['engine_token']}, margin {d['margin']:.4g}")
-    for b in s.graph_bounds:
-        from ladder.tokens import GraphBounds
-
-        tr.line(GraphBounds.from_record(b).describe())
-    for (b, f), n in sorted(s.unsupported.items()):
-        tr.line(f"UNSUPPORTED: backend {b} has no kernel for format {f}: {n} tests failed for it", red=True)
-    for f in s.flatness:
-        tr.line(f"reference{' [' + f['label'] + ']' if f.get('label') else ''}: {f['flat']} of {f['positions']} positions ({100 * f['fraction']:.2f}%) under the "
-                f"near-tie epsilon; smallest top-1/top-2 margin {f['min_margin']:.4g}")
-

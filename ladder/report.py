@@ -40,6 +40,10 @@ def conclude(rung_results: dict[str, dict], meta: dict, out: Path, failed: bool,
     already (a red rung) stays failed; a regression against `baseline`, or an op no rung called when
     `require_coverage`, fails it. Returns (report, failed). `nanoqwen ladder` and `ladder merge` both end here."""
     rep = merge(rung_results, meta)
+    flips = [f for f in rep["graph"]["flips"] if not f["passed"]]
+    if flips:
+        failed = True
+        rep["failures"] += [f"graph rung, near-tie flips on {f['backend']}: p = {f['p_value']:.3g}" for f in flips]
     if baseline is not None:
         rep["regressions"] = compare_baseline(rep, baseline)
         failed = failed or bool(rep["regressions"])
@@ -53,13 +57,18 @@ def conclude(rung_results: dict[str, dict], meta: dict, out: Path, failed: bool,
 
 def graph_section(rung_results: dict[str, dict]) -> dict:
     """The graph rung's token summary from the rung files (the plugin's `graph*` and `near_ties` keys):
-    per backend totals, the bounds (each distinct one once), the flatness check and the near-ties."""
-    out = {"backends": [], "bounds": [], "flatness": [], "near_ties": []}
+    per backend totals, the bounds (each distinct one once), the near-tie flip rule judged on the totals
+    (so a merge of shards judges all the shards' prompts together) and the near-ties."""
+    from ladder.tokens import Summary, judge_flips
+
+    out = {"backends": [], "bounds": [], "flips": [], "near_ties": []}
     for data in rung_results.values():
         out["backends"] += data.get("graph", [])
         out["bounds"] += [b for b in data.get("graph_bounds", []) if b not in out["bounds"]]
-        out["flatness"] += data.get("graph_flatness", [])
         out["near_ties"] += data.get("near_ties", [])
+    fields = set(Summary.__dataclass_fields__)
+    out["flips"] = [judge_flips(Summary(**{k: v for k, v in s.items() if k in fields})).record()
+                    for s in out["backends"]]
     return out
 
 
@@ -158,11 +167,18 @@ def _graph_markdown(g: dict) -> list[str]:
                   f"(the largest reference logit) = {b['max_logit_diff']:.4g}",
                   f"- near-tie epsilon: {b['eps'] / b['max_logit_diff'] if b['max_logit_diff'] else 0:g} x allowed = "
                   f"{b['eps']:.4g}",
-                  f"- a model with more than {100 * b['max_near_tie_fraction']:g}% of its positions under the epsilon is "
-                  f"refused as too flat to judge"]
-    for f in g.get("flatness", []):
-        lines += ["", f"Reference flatness{_label(f)}: {f['flat']} of {f['positions']} positions ({100 * f['fraction']:.2f}%) under "
-                      f"the near-tie epsilon; smallest top-1/top-2 margin {f['min_margin']:.4g}"]
+                  f"- at the floor prompts' {b.get('floor_close', 0)} close positions (reference margin under the "
+                  f"epsilon) the plain forward flips {b.get('floor_flips', 0)}",
+                  f"- allowed difference / spread of the logits {b['max_logit_diff'] / b['spread'] if b.get('spread') else 0:.3g} "
+                  f"(a model over {_max_per_spread():g} is refused: no check could judge it)"]
+    for s in g.get("backends", []):
+        if s.get("prompt_ids"):
+            lines += ["", f"Prompts compared on {s['backend']} ({len(s['prompt_ids'])}): "
+                          + ", ".join(sorted(s["prompt_ids"]))]
+    for f in g.get("flips", []):
+        lines += ["", f"Near-tie flips on {f['backend']}: engine {f['flips']} of {f['close']} close positions, the plain "
+                      f"forward {f['floor_flips']} of {f['floor_close']}; Fisher's exact test, one-sided, p = "
+                      f"{f['p_value']:.3g}: **{'within the rule' if f['passed'] else 'FAILED'}**"]
     ties = g.get("near_ties", [])
     if ties:
         lines += ["", f"Near-ties ({len(ties)}, teacher-forced):", ""]
@@ -171,6 +187,12 @@ def _graph_markdown(g: dict) -> list[str]:
         if len(ties) > 20:
             lines.append(f"- ... and {len(ties) - 20} more")
     return lines
+
+
+def _max_per_spread() -> float:
+    from ladder.tolerances import MAX_ALLOWED_PER_SPREAD
+
+    return MAX_ALLOWED_PER_SPREAD
 
 
 def write(folder: Path, report: dict) -> None:

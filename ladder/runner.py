@@ -73,6 +73,19 @@ def _absolute(value: str | None) -> str | None:
     return None if value is None else str(Path(value).expanduser().resolve())
 
 
+def check_required_backends(args) -> None:
+    """A backend required (--require-backend, NANOQWEN_REQUIRE_GPU=1) that cannot run on this machine stops
+    the command before any rung starts or any model is converted: one line, exit 2 (ladder/required.py;
+    each rung's pytest would refuse the run too, one rung after another under --keep-going)."""
+    from kernels import backend_names
+    from ladder.required import refusal, required_backends
+
+    selected = backend_names() if args.backend in (None, "all") else [args.backend]
+    why = refusal(required_backends([args.require_backend] if args.require_backend else []), selected)
+    if why:
+        raise LadderArgumentError(why)
+
+
 def cmd_ladder(args) -> int:
     """Run the rungs in order; stop at the first red one unless --keep-going."""
     from ladder import report as ladder_report
@@ -81,6 +94,7 @@ def cmd_ladder(args) -> int:
     extra_args = list(args.pytest_args or [])
     if extra_args and extra_args[0] == "merge":  # `nanoqwen ladder merge REPORT...`
         return cmd_merge(args, extra_args[1:])
+    check_required_backends(args)
     if args.shard:
         from ladder.shards import ShardError, parse_shard
 
@@ -254,7 +268,9 @@ def register(sub) -> None:
                      help="quantization formats to run every rung in (default: all; docs/FORMAT.md)")
     lad.add_argument("--backend", choices=[*backend_names(), "all"],
                      help="default: every registered backend; one this machine cannot run skips with its reason")
-    lad.add_argument("--require-backend", choices=backend_names(), help="a backend that must run (skip = failure)")
+    lad.add_argument("--require-backend", choices=backend_names(),
+                     help="a backend that must run (skip = failure; where it cannot run at all, the command "
+                          "stops at once, exit 2)")
     lad.add_argument("--rungs", default=",".join(RUNGS), help="comma-separated subset, in order (default: all)")
     lad.add_argument("--keep-going", action="store_true", help="run every rung even after a red one")
     lad.add_argument("--report", help="report folder (default: reports/ladder-TIMESTAMP under the current folder)")

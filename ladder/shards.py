@@ -12,7 +12,7 @@ collection; the rung's JSON records the shard.
 `merge` folds the shards' rung files (RUNG.json, junit-RUNG.xml) into one report folder, as if one
 machine had run everything: counts and skip reasons summed, each op's worst error the worst over the
 shards, op calls summed (so the coverage table is the union), graph-rung totals summed with the largest
-logit difference kept, bounds and flatness records once each, failures and near-ties listed, one JUnit
+logit difference kept, bounds once each (the near-tie flip rule is judged again on the sums), failures and near-ties listed, one JUnit
 file per rung with every shard's test cases. It refuses (one line, exit 2) folders that are not
 ladder reports, shards of different runs (model, formats, backends, rungs), a shard given twice or
 missing, and a mix of sharded and unsharded reports.
@@ -61,7 +61,7 @@ def select(items: list, index: int, count: int) -> tuple[list, list]:
 
 # ---- merging rung files -------------------------------------------------------------------------
 
-_SUMMED_GRAPH = ("prompts", "failed_prompts", "positions", "exact", "near_ties", "failures")
+_SUMMED_GRAPH = ("prompts", "failed_prompts", "positions", "exact", "near_ties", "failures", "close")
 
 
 def _unique(records: list) -> list:
@@ -80,7 +80,7 @@ def merge_rung_data(parts: list[dict]) -> dict:
     calls: Counter = Counter()
     graph: dict[tuple, dict] = {}
     unsupported: Counter = Counter()
-    out = {"graph_flatness": [], "graph_bounds": [], "near_ties": [], "failures": []}
+    out = {"graph_bounds": [], "near_ties": [], "failures": []}
     for part in parts:
         for rung, counts in part.get("rungs", {}).items():
             rungs.setdefault(rung, Counter()).update(counts)
@@ -100,12 +100,12 @@ def merge_rung_data(parts: list[dict]) -> dict:
             m = graph[key]
             for k in _SUMMED_GRAPH:
                 m[k] = m.get(k, 0) + g.get(k, 0)
+            m["prompt_ids"] = sorted(m.get("prompt_ids", []) + g.get("prompt_ids", []))
             m["max_logit_diff"] = max(m.get("max_logit_diff", 0.0), g.get("max_logit_diff", 0.0))
             for k in ("min_margin", "allowed", "eps"):
                 m[k] = min(m.get(k, float("inf")), g.get(k, float("inf")))
         for u in part.get("unsupported", []):
             unsupported[(u["backend"], u["format"])] += u["tests"]
-        out["graph_flatness"] += part.get("graph_flatness", [])
         out["graph_bounds"] += part.get("graph_bounds", [])
         out["near_ties"] += part.get("near_ties", [])
         out["failures"] += part.get("failures", [])
@@ -122,7 +122,6 @@ def merge_rung_data(parts: list[dict]) -> dict:
                   for (r, b, op), n in sorted(calls.items(), key=lambda kv: tuple(str(x) for x in kv[0]))],
         "ops_never_called": sorted({(b, op) for b in backends for op in OPS} - called),
         "graph": [graph[k] for k in sorted(graph, key=lambda k: tuple(str(x) for x in k))],
-        "graph_flatness": _unique(out["graph_flatness"]),
         "graph_bounds": _unique(out["graph_bounds"]),
         "near_ties": sorted(out["near_ties"], key=lambda d: (str(d.get("backend")), str(d.get("prompt_id")), d.get("position", 0))),
         "failures": sorted(out["failures"]),

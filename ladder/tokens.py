@@ -7,7 +7,8 @@ them, under bounds derived from the model's own noise floor.
     logits = engine_logits(model, prompt_ids, ref.tokens)   # engine, fed the reference's tokens
     result = compare_greedy("p017", ref, logits, backend="numpy", bounds=bounds)
     assert result.passed, result.describe()
-    flat = flatness([ref, ...], bounds)                      # refuse a model too flat to judge
+    verdict = judge_flips(summary)                           # near-tie flips against the plain forward's
+    bounds.judgeable                                         # refuse a model no check can judge
 
 The bounds: the floor is the max abs difference between the logits of the plain implementation of the
 whole model (reference.model.ref_forward in fp32 with fp16 storage, one causal pass over the prompt
@@ -26,6 +27,12 @@ the reference's tokens. The engine's greedy token at a position is the argmax of
 index on a tie (the `argmax` op's contract). Any logit further than `allowed` from the reference fails
 too: past it, a flipped token could pass as a near-tie.
 
+Near-ties are weak evidence one at a time, so they are judged together: over every compared position
+whose reference margin is under the epsilon (a close position), the engine may not flip the greedy token
+more often than the plain forward does at the floor prompts' close positions (`judge_flips`: Fisher's
+exact test, one-sided, at FLIP_TEST_ALPHA). A model is refused only when no check can tell right from
+wrong: its allowed difference is comparable to the spread of its logits (`GraphBounds.judgeable`).
+
 Stop ids are ignored: both sides generate exactly `n_new` tokens (`new_tokens_for`, or the run's
 `--new-tokens`), so every prompt crosses the page boundaries it was sized to cross.
 """
@@ -37,7 +44,10 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from engine.config import PAGE_SIZE
-from ladder.tolerances import FLOOR_PROMPTS, MAX_NEAR_TIE_FRACTION, NEAR_TIE_EPS_PER_LOGIT_DIFF, TOL
+import math
+
+from ladder.tolerances import (FLIP_TEST_ALPHA, FLOOR_PROMPTS, MAX_ALLOWED_PER_SPREAD, NEAR_TIE_EPS_PER_LOGIT_DIFF,
+                               TOL)
 
 PAGE = PAGE_SIZE
 
@@ -148,10 +158,29 @@ class GraphBounds:
     ulps: float
     max_logit_diff: float  # the engine's allowed max abs logit difference from the HF simulation
     eps: float  # the near-tie epsilon
-    max_near_tie_fraction: float
     prompts: tuple[str, ...]  # the floor prompts' ids
     positions: int  # new positions the floor was measured over
+    floor_close: int = 0  # floor positions whose reference top-1/top-2 margin is under eps
+    floor_flips: int = 0  # of those, where the plain forward's greedy token is not the reference's
+    spread: float = float("inf")  # median over floor positions of the std of the reference logits
     label: str = ""  # which model (its format) these bounds belong to, when a run judges several
+
+    @property
+    def allowed_per_spread(self) -> float:
+        return self.max_logit_diff / self.spread if self.spread > 0 else float("inf")
+
+    @property
+    def judgeable(self) -> bool:
+        """False when the allowed difference is comparable to the spread of the logits: a wrong engine
+        could move them no further than a right one is allowed to (MAX_ALLOWED_PER_SPREAD)."""
+        return self.allowed_per_spread <= MAX_ALLOWED_PER_SPREAD
+
+    def refusal(self) -> str:
+        return (f"graph rung: the allowed logit difference {self.max_logit_diff:.4g} is {self.allowed_per_spread:.3g} "
+                f"of the spread of the model's logits {self.spread:.4g} (the median over the floor positions of their "
+                f"standard deviation across the vocab; limit {MAX_ALLOWED_PER_SPREAD:g}): a wrong engine moves the logits "
+                f"no further than the noise a right one is allowed, so no check can tell them apart; the graph rung "
+                f"refuses the model (docs/LADDER.md, Token comparison)")
 
     def describe(self) -> str:
         return (f"graph rung bounds{f' [{self.label}]' if self.label else ''}: floor {self.floor:.4g} (99.9th percentile {self.floor_q999:.4g}) = max abs "
@@ -159,7 +188,9 @@ class GraphBounds:
                 f"{self.positions} new positions of {len(self.prompts)} prompts ({', '.join(self.prompts)}); "
                 f"allowed logit difference {self.factor:g} x floor + {self.ulps:g} ulp x {self.ref_scale:.3g} = "
                 f"{self.max_logit_diff:.4g}; near-tie epsilon {NEAR_TIE_EPS_PER_LOGIT_DIFF:g} x allowed = "
-                f"{self.eps:.4g}; near-tie limit {100 * self.max_near_tie_fraction:g}% of positions")
+                f"{self.eps:.4g}; at the floor's {self.floor_close} close positions (margin under epsilon) the plain "
+                f"forward flips {self.floor_flips}; allowed / logit spread {self.allowed_per_spread:.3g} (refused over "
+                f"{MAX_ALLOWED_PER_SPREAD:g})")
 
     def record(self) -> dict:
         d = asdict(self)
@@ -172,32 +203,67 @@ class GraphBounds:
 
 
 def bounds_from_floor(floor: float, ref_scale: float, floor_q999: float | None = None, prompts=(),
-                      positions: int = 0) -> GraphBounds:
+                      positions: int = 0, floor_close: int = 0, floor_flips: int = 0,
+                      spread: float = float("inf")) -> GraphBounds:
     """The bounds a measured floor implies (ladder/tolerances.py: TOL[("graph_logits", "float32")])."""
     tol = TOL[("graph_logits", "float32")]
     allowed = tol.bound(floor, ref_scale, np.float32)
     return GraphBounds(float(floor), float(floor if floor_q999 is None else floor_q999), float(ref_scale),
                        tol.factor, tol.ulps, float(allowed), float(NEAR_TIE_EPS_PER_LOGIT_DIFF * allowed),
-                       MAX_NEAR_TIE_FRACTION, tuple(str(p) for p in prompts), int(positions))
+                       tuple(str(p) for p in prompts), int(positions), int(floor_close), int(floor_flips),
+                       float(spread))
 
 
-def derive_bounds(config: dict, weights: dict, runs) -> GraphBounds:
+def derive_bounds(config: dict, weights: dict, runs, statistic: str = "max") -> GraphBounds:
     """The bounds of one model from its floor, measured on `runs`: (prompt id, prompt ids, Reference)
-    triples (the floor prompts, each with the HF simulation's greedy run on it)."""
-    diffs, scale, ids = [], 0.0, []
+    triples (the floor prompts, each with the HF simulation's greedy run on it).
+
+    `statistic` picks the floor: "max" (the rung's rule) or "q999" (the 99.9th percentile; only for
+    bench/graph_bounds.py, which shows what the choice does to the smallest error the rung catches)."""
+    return bounds_from_measurement(measure_floor(config, weights, runs), statistic)
+
+
+@dataclass
+class FloorMeasurement:
+    """The plain forward against the HF simulation at the floor prompts: what the bounds are made of."""
+
+    diffs: np.ndarray  # |plain - simulation| logit, every floor position and vocab entry (float64)
+    ref_scale: float
+    prompts: tuple[str, ...]
+    margins: np.ndarray  # the reference's top-1/top-2 margin at each floor position
+    plain_flipped: np.ndarray  # bool: the plain forward's greedy token is not the reference's there
+    spread: float  # median over positions of the std of the reference logits
+
+
+def measure_floor(config: dict, weights: dict, runs) -> FloorMeasurement:
+    diffs, scale, ids, margins, flipped, stds = [], 0.0, [], [], [], []
     for prompt_id, prompt_ids, ref in runs:
         fl = floor_logits(config, weights, prompt_ids, ref).astype(np.float64)
         diffs.append(np.abs(fl - ref.logits.astype(np.float64)).ravel())
         scale = max(scale, float(np.abs(ref.logits).max()))
         ids.append(prompt_id)
+        margins.append(ref.margins)
+        flipped.append(np.argmax(fl, axis=-1) != ref.tokens)
+        stds.append(ref.logits.astype(np.float64).std(axis=-1))
     if not diffs:
         raise ValueError("the graph rung's floor needs at least one prompt")
     d = np.concatenate(diffs)
     if not np.isfinite(d).all():
         raise ValueError("the plain fp32 forward with fp16 storage gives non-finite logits: the model overflows "
                          "fp16 activations, so its graph-rung floor is undefined")
-    positions = sum(len(r.tokens) for _, _, r in runs)
-    return bounds_from_floor(float(d.max()), scale, float(np.quantile(d, 0.999)), ids, positions)
+    return FloorMeasurement(d, scale, tuple(ids), np.concatenate(margins), np.concatenate(flipped),
+                            float(np.median(np.concatenate(stds))))
+
+
+def bounds_from_measurement(m: FloorMeasurement, statistic: str = "max") -> GraphBounds:
+    if statistic not in ("max", "q999"):
+        raise ValueError(f"floor statistic {statistic!r}: expected 'max' or 'q999'")
+    q999 = float(np.quantile(m.diffs, 0.999))
+    floor = float(m.diffs.max()) if statistic == "max" else q999
+    b = bounds_from_floor(floor, m.ref_scale, q999, m.prompts, len(m.margins), spread=m.spread)
+    close = m.margins < b.eps
+    return GraphBounds(**{**asdict(b), "prompts": b.prompts, "floor_close": int(close.sum()),
+                          "floor_flips": int((close & m.plain_flipped).sum())})
 
 
 # --- the comparison ---------------------------------------------------------------------------------
@@ -233,9 +299,11 @@ class TokenResult:
     near_ties: list[Divergence] = field(default_factory=list)
     failures: list[Divergence] = field(default_factory=list)
     min_margin: float = float("inf")  # smallest reference top-1/top-2 margin over the positions
-    flat_positions: int = 0  # positions whose reference top-1/top-2 margin is under eps
+    flat_positions: int = 0  # close positions: the reference's top-1/top-2 margin is under eps
     max_logit_diff: float = 0.0  # max |engine - reference| logit over all positions and the vocab
     nan_positions: int = 0  # positions where the engine's logits hold NaN or inf
+    floor_close: int = 0  # the bounds' count of close positions at the floor prompts (for the flip rule)
+    floor_flips: int = 0  # and the plain forward's flips among them
 
     @property
     def logits_drifted(self) -> bool:
@@ -291,7 +359,8 @@ def compare_greedy(prompt_id: str, ref: Reference, eng_logits, backend: str = "?
                       min_margin=float(margins.min()) if margins.size else float("inf"),
                       flat_positions=int((margins < eps).sum()),
                       max_logit_diff=float(diff[finite].max()) if finite.any() else float("inf"),
-                      nan_positions=int((~finite).sum()))
+                      nan_positions=int((~finite).sum()), floor_close=bounds.floor_close,
+                      floor_flips=bounds.floor_flips)
     for step, (ref_tok, row) in enumerate(zip(ref.tokens, eng_logits)):
         ref_tok = int(ref_tok)
         eng_tok = int(np.argmax(np.nan_to_num(row, nan=-np.inf)))
@@ -307,40 +376,57 @@ def compare_greedy(prompt_id: str, ref: Reference, eng_logits, backend: str = "?
 # --- the whole prompt set ---------------------------------------------------------------------------
 
 
-@dataclass
-class Flatness:
-    """How many of the reference's greedy positions are too close to call; a model over the limit is refused."""
+def _log_comb(n: int, k: int) -> float:
+    return math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
 
-    positions: int
-    flat: int
-    min_margin: float
-    eps: float
-    max_fraction: float = MAX_NEAR_TIE_FRACTION
+
+def fisher_greater(k1: int, n1: int, k2: int, n2: int) -> float:
+    """One-sided p-value of Fisher's exact test that group 1's rate (k1 of n1) exceeds group 2's (k2 of n2):
+    P(X >= k1) for X hypergeometric, drawing n1 of n1 + n2 items of which k1 + k2 are marked."""
+    if not (0 <= k1 <= n1 and 0 <= k2 <= n2):
+        raise ValueError(f"counts out of range: {k1} of {n1}, {k2} of {n2}")
+    n, k = n1 + n2, k1 + k2
+    if n1 == 0 or k1 == 0:
+        return 1.0
+    total = _log_comb(n, n1)
+    terms = [_log_comb(k, x) + _log_comb(n - k, n1 - x) - total for x in range(k1, min(k, n1) + 1)]
+    top = max(terms)
+    return min(1.0, math.exp(top) * sum(math.exp(t - top) for t in terms))
+
+
+@dataclass(frozen=True)
+class FlipVerdict:
+    """The engine's near-tie flips over its close positions against the plain forward's at the floor prompts."""
+
+    backend: str
+    flips: int  # engine near-ties: greedy token flipped where the reference margin is under eps
+    close: int  # compared positions whose reference margin is under eps
+    floor_flips: int
+    floor_close: int
+    p_value: float  # Fisher's exact test, one-sided: the engine flips more often than the plain forward
+    alpha: float = FLIP_TEST_ALPHA
 
     @property
-    def fraction(self) -> float:
-        return self.flat / self.positions if self.positions else 0.0
+    def passed(self) -> bool:
+        return self.p_value >= self.alpha
 
-    @property
-    def refused(self) -> bool:
-        return self.positions == 0 or self.fraction > self.max_fraction
+    def record(self) -> dict:
+        return {**asdict(self), "passed": self.passed}
 
     def describe(self) -> str:
-        if self.positions == 0:
-            return "graph rung: no reference positions to judge"
-        verdict = ("the model is too flat to judge: a wrong token could hide behind a near-tie; the graph rung "
-                   "refuses it (docs/LADDER.md, Token comparison)" if self.refused else "within the limit")
-        return (f"graph rung: {self.flat} of {self.positions} reference positions ({100 * self.fraction:.2f}%) "
-                f"have a top-1/top-2 margin under the model's near-tie epsilon {self.eps:.4g} (limit "
-                f"{100 * self.max_fraction:.0f}%); smallest margin {self.min_margin:.4g}: {verdict}")
+        def rate(k, n):
+            return f"{k} of {n} ({100 * k / n:.1f}%)" if n else f"{k} of 0"
+        verdict = ("within it" if self.passed else
+                   "FAIL: the engine flips near-ties more often than a correct implementation does")
+        return (f"near-tie flips on {self.backend}: engine {rate(self.flips, self.close)} close positions, the plain "
+                f"fp32 forward with fp16 storage {rate(self.floor_flips, self.floor_close)} at the floor prompts; "
+                f"Fisher's exact test, one-sided, p = {self.p_value:.3g} (fails under {self.alpha:g}): {verdict}")
 
 
-def flatness(refs, bounds: GraphBounds) -> Flatness:
-    """The flat-model rule over every compared position of every prompt's reference run."""
-    margins = np.concatenate([r.margins for r in refs]) if refs else np.zeros(0)
-    return Flatness(int(margins.size), int((margins < bounds.eps).sum()),
-                    float(margins.min()) if margins.size else float("inf"), bounds.eps,
-                    bounds.max_near_tie_fraction)
+def judge_flips(summary: "Summary") -> FlipVerdict:
+    """The flip rule over one backend's totals (a Summary, which sums each prompt's record)."""
+    return FlipVerdict(summary.backend, summary.near_ties, summary.close, summary.floor_flips, summary.floor_close,
+                       fisher_greater(summary.near_ties, summary.close, summary.floor_flips, summary.floor_close))
 
 
 @dataclass
@@ -358,10 +444,14 @@ class Summary:
     max_logit_diff: float = 0.0
     allowed: float = float("inf")  # the smallest allowed difference the prompts were judged by
     eps: float = float("inf")  # the smallest near-tie epsilon they were judged by
+    close: int = 0  # positions whose reference margin is under the epsilon
+    prompt_ids: list = field(default_factory=list)  # the prompts compared (a -k or --prompts selection)
+    floor_flips: int = 0  # the plain forward's flips at the floor prompts' close positions (the bounds')
+    floor_close: int = 0
 
     def describe(self) -> str:
         return (f"graph rung on {self.backend}: {self.prompts} prompts ({self.failed_prompts} failed), "
-                f"{self.positions} tokens: {self.exact} exact, {self.near_ties} near-ties, {self.failures} "
+                f"{self.positions} tokens ({self.close} close): {self.exact} exact, {self.near_ties} near-ties, {self.failures} "
                 f"failures; smallest reference margin {self.min_margin:.4g}; max abs logit difference "
                 f"{self.max_logit_diff:.4g} (allowed {self.allowed:.4g}, near-tie epsilon {self.eps:.4g})")
 
@@ -373,6 +463,7 @@ def summarize(results) -> list[Summary]:
         r = r.record() if isinstance(r, TokenResult) else r
         s = out.setdefault(r["backend"], Summary(r["backend"]))
         s.prompts += 1
+        s.prompt_ids.append(r["prompt_id"])
         s.failed_prompts += not r["passed"]
         s.positions += r["positions"]
         s.exact += r["exact"]
@@ -382,4 +473,6 @@ def summarize(results) -> list[Summary]:
         s.max_logit_diff = max(s.max_logit_diff, r["max_logit_diff"])
         s.allowed = min(s.allowed, r.get("allowed", float("inf")))
         s.eps = min(s.eps, r.get("eps", float("inf")))
+        s.close += r.get("flat_positions", 0)
+        s.floor_flips, s.floor_close = r.get("floor_flips", 0), r.get("floor_close", 0)
     return list(out.values())

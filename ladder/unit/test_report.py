@@ -59,15 +59,15 @@ def test_the_slowest_tests_of_every_rung_are_ranked_in_the_report():
 def test_a_long_rung_prints_progress_with_the_rate_and_the_slowest_test(monkeypatch):
     from types import SimpleNamespace
 
-    from ladder import plugin
+    from ladder import summary
 
-    s = plugin._Summary()
+    s = summary.RunSummary()
     s.total = 10
     assert s.progress() is None  # nothing finished yet
     for when, dur in (("setup", 4.0), ("call", 0.5), ("teardown", 0.0)):
         s.add(SimpleNamespace(when=when, outcome="passed", failed=False, skipped=False, duration=dur,
                               nodeid="ladder/graph/t.py::x", user_properties=[]), "graph")
-    monkeypatch.setattr(plugin, "PROGRESS_SECONDS", 0.0)
+    monkeypatch.setattr(summary, "PROGRESS_SECONDS", 0.0)
     line = s.progress()
     assert line.startswith("[nanoqwen] 1 of 10 tests in ") and "slowest so far 4.0 s: ladder/graph/t.py::x [setup]" in line
     assert s.as_json()["slowest"][0] == {"seconds": 4.0, "test": "ladder/graph/t.py::x [setup]"}

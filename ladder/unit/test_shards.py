@@ -67,16 +67,18 @@ def test_merging_rung_files_sums_counts_and_keeps_the_worst_error():
          "ops": [{"rung": "unit", "backend": "numpy", "op": "rmsnorm", "multiple": 1.0, "case": "a"}],
          "calls": [{"rung": "unit", "backend": "numpy", "op": "rmsnorm", "n": 3}],
          "graph": [{"backend": "numpy", "prompts": 2, "failed_prompts": 0, "positions": 40, "exact": 40, "near_ties": 0,
-                    "failures": 0, "min_margin": 0.5, "max_logit_diff": 0.01, "allowed": 0.03, "eps": 0.06}],
-         "graph_bounds": [{"floor": 1.0}], "graph_flatness": [{"flat": 0}], "failures": [], "unsupported": []}
+                    "failures": 0, "min_margin": 0.5, "max_logit_diff": 0.01, "allowed": 0.03, "eps": 0.06, "close": 4,
+                    "prompt_ids": ["p1", "p0"], "floor_flips": 1, "floor_close": 9}],
+         "graph_bounds": [{"floor": 1.0}], "failures": [], "unsupported": []}
     b = {"rungs": {"unit": {"passed": 1, "failed": 1}}, "skips": {"unit": {"no gpu": 2}},
          "ops": [{"rung": "unit", "backend": "numpy", "op": "rmsnorm", "multiple": 3.0, "case": "b"},
                  {"rung": "unit", "backend": "numpy", "op": "embed", "multiple": 0.0, "case": "c"}],
          "calls": [{"rung": "unit", "backend": "numpy", "op": "rmsnorm", "n": 1},
                    {"rung": "unit", "backend": "numpy", "op": "embed", "n": 1}],
          "graph": [{"backend": "numpy", "prompts": 3, "failed_prompts": 1, "positions": 60, "exact": 58, "near_ties": 1,
-                    "failures": 1, "min_margin": 0.2, "max_logit_diff": 0.02, "allowed": 0.03, "eps": 0.06}],
-         "graph_bounds": [{"floor": 1.0}], "graph_flatness": [{"flat": 0}], "failures": ["t::x"],
+                    "failures": 1, "min_margin": 0.2, "max_logit_diff": 0.02, "allowed": 0.03, "eps": 0.06, "close": 6,
+                    "prompt_ids": ["p2"], "floor_flips": 1, "floor_close": 9}],
+         "graph_bounds": [{"floor": 1.0}], "failures": ["t::x"],
          "unsupported": [{"backend": "numpy", "format": "int3", "tests": 2}]}
     m = merge_rung_data([a, b])
     assert m["rungs"] == {"unit": {"passed": 3, "skipped": 1, "failed": 1}}
@@ -86,7 +88,9 @@ def test_merging_rung_files_sums_counts_and_keeps_the_worst_error():
     g = m["graph"][0]
     assert (g["prompts"], g["failed_prompts"], g["positions"], g["exact"], g["near_ties"], g["failures"]) == (5, 1, 100, 98, 1, 1)
     assert (g["max_logit_diff"], g["min_margin"]) == (0.02, 0.2)
-    assert m["graph_bounds"] == [{"floor": 1.0}] and m["graph_flatness"] == [{"flat": 0}]  # once each
+    # the flip rule is judged again on the sums: close positions add up, the floor's counts are the bounds'
+    assert (g["close"], g["floor_flips"], g["floor_close"], g["prompt_ids"]) == (10, 1, 9, ["p0", "p1", "p2"])
+    assert m["graph_bounds"] == [{"floor": 1.0}]  # once
     assert m["failures"] == ["t::x"] and m["unsupported"] == [{"backend": "numpy", "format": "int3", "tests": 2}]
     assert ["numpy", "rmsnorm"] not in [list(x) for x in m["ops_never_called"]]
 

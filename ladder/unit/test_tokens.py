@@ -1,7 +1,8 @@
 """Unit rung for the graph rung's judge: ladder/tokens.py on synthetic logits, and the prompt files.
 
 A comparison that cannot fail is worse than none: a real mismatch must fail and say where, a near-tie
-must be recorded and teacher-forced, NaN must fail, and a model too flat to judge must be refused. The
+must be recorded and teacher-forced, NaN must fail, an engine that flips near-ties more often than the
+plain forward must fail, and a model no check can judge must be refused. The
 judge's bounds here are those a floor of FLOOR implies (ladder/tokens.py `bounds_from_floor`); how a
 real model's floor is measured is ladder/unit/test_graph_bounds.py.
 """
@@ -14,9 +15,9 @@ import numpy as np
 import pytest
 
 from fixtures.prompts import PromptFileError, default_prompts_path, load_prompts, read_prompt_ids
-from ladder.tokens import (PAGE, Reference, bounds_from_floor, compare_greedy, engine_logits, flatness,
-                           new_tokens_for, summarize, tokens_to_generate, top2_margin)
-from ladder.tolerances import MAX_NEAR_TIE_FRACTION
+from ladder.tokens import (PAGE, Reference, Summary, bounds_from_floor, compare_greedy, engine_logits,
+                           fisher_greater, judge_flips, new_tokens_for, summarize, tokens_to_generate, top2_margin)
+from ladder.tolerances import FLIP_TEST_ALPHA, MAX_ALLOWED_PER_SPREAD
 
 V, N, PROMPT_LEN = 32, 12, 5
 FLOOR = 0.01  # a model whose plain fp32 forward with fp16 storage is this far from the simulation
@@ -142,19 +143,65 @@ def test_nan_in_the_engine_logits_fails():
     assert not res.passed and res.nan_positions == 1 and "NaN" in res.describe()
 
 
-def test_a_flat_model_is_refused():
-    ref = clear_reference()
-    flat = Reference(PROMPT_LEN, ref.tokens, ref.logits.copy())
-    n_flat = int(np.floor(MAX_NEAR_TIE_FRACTION * N)) + 1  # just over the limit
-    for step in range(n_flat):
-        flat.logits[step, runner_up(flat, step)] = flat.logits[step, flat.tokens[step]] - NEAR_TIE_EPS / 2
-    assert not flatness([ref], BOUNDS).refused
-    verdict = flatness([flat], BOUNDS)
-    assert verdict.refused and verdict.flat == n_flat and "too flat to judge" in verdict.describe()
-    # a flat prompt among enough clear ones stays within the limit: the rule counts positions
-    many = [clear_reference(s) for s in range(int(np.ceil(n_flat / (MAX_NEAR_TIE_FRACTION * N))))]
-    assert not flatness(many + [flat], BOUNDS).refused
-    assert flatness([], BOUNDS).refused, "no positions at all is nothing to judge"
+def test_fishers_exact_test_matches_the_tea_tasting_table():
+    # Fisher's lady tasting tea: 3 of 4 cups right against 1 of 4; one-sided p = (16 + 1) / 70
+    assert fisher_greater(3, 4, 1, 4) == pytest.approx(17 / 70, rel=1e-12)
+    assert fisher_greater(4, 4, 0, 4) == pytest.approx(1 / 70, rel=1e-12)
+    assert fisher_greater(0, 50, 9, 40) == 1.0 and fisher_greater(3, 0 + 3, 0, 0) == 1.0
+    # the same rates pass, the probability falls as the engine's rate pulls away from the floor's
+    ps = [fisher_greater(k, 400, 10, 100) for k in (40, 80, 120, 160)]
+    assert ps[0] > 0.4 and all(a > b for a, b in zip(ps, ps[1:])) and ps[-1] < 1e-6
+    with pytest.raises(ValueError, match="out of range"):
+        fisher_greater(5, 4, 0, 4)
+
+
+def flips_reference(seed: int, close: int, flipped: int, bounds=BOUNDS):
+    """A reference with `close` positions whose runner-up is under the epsilon, and engine logits that flip
+    `flipped` of them (each by less than the allowed difference, as a correct engine may)."""
+    ref = clear_reference(seed)
+    eng = ref.logits.copy()
+    for step in range(close):
+        other = runner_up(ref, step)
+        ref.logits[step, other] = ref.logits[step, ref.tokens[step]] - bounds.eps / 8
+        eng[step] = ref.logits[step]
+        if step < flipped:
+            eng[step, other] = ref.logits[step, ref.tokens[step]] + bounds.eps / 16
+    return ref, eng
+
+
+@pytest.mark.parametrize("engine_flips, passes", [(0, True), (3, True), (20, False)])
+def test_near_tie_flips_are_judged_against_the_plain_forwards_rate(engine_flips, passes):
+    """The plain forward flipped 1 of its 20 close positions; 20 prompts of 2 close positions each."""
+    floor = bounds_from_floor(FLOOR, 4.0, floor_close=20, floor_flips=1)
+    records = []
+    for i in range(20):
+        ref, eng = flips_reference(i, close=2, flipped=min(2, max(0, engine_flips - 2 * i)), bounds=floor)
+        res = compare_greedy(f"p{i}", ref, eng, "numpy", bounds=floor)
+        assert res.passed, res.describe()  # a near-tie on its own passes its prompt's test
+        records.append(res.record())
+    (s,) = summarize(records)
+    assert (s.close, s.floor_close, s.floor_flips) == (40, 20, 1) and s.near_ties == engine_flips
+    verdict = judge_flips(s)
+    assert verdict.passed == passes, verdict.describe()
+    assert verdict.p_value == pytest.approx(fisher_greater(engine_flips, 40, 1, 20))
+    text = verdict.describe()
+    assert f"engine {engine_flips} of 40" in text and "1 of 20" in text
+    assert ("FAIL" in text) != passes and f"{FLIP_TEST_ALPHA:g}" in text
+
+
+def test_with_no_close_positions_there_is_nothing_to_flip():
+    assert judge_flips(Summary("numpy", positions=30)).passed
+
+
+@pytest.mark.parametrize("spread, judgeable", [(100 * FLOOR, True), (2 * FLOOR, False), (0.0, False)])
+def test_a_model_whose_allowed_difference_rivals_its_logit_spread_is_refused(spread, judgeable):
+    b = bounds_from_floor(FLOOR, ref_scale=4.0, spread=spread)  # allowed = 4 x floor + 8 ulp x 4
+    assert b.judgeable == judgeable and b.judgeable == (b.max_logit_diff / spread <= MAX_ALLOWED_PER_SPREAD
+                                                         if spread else False)
+    if not judgeable:
+        text = b.refusal()
+        assert f"{b.max_logit_diff:.4g}" in text and "no check can tell them apart" in text
+    assert bounds_from_floor(FLOOR, 4.0).judgeable, "bounds without a measured spread judge as before"
 
 
 def test_summary_adds_up_per_backend():

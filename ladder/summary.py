@@ -1,0 +1,231 @@
+"""The run summary of the ladder's pytest plugin (ladder/plugin.py, which re-exports the hooks below).
+
+- `RunSummary`: what a pytest process saw, fed by every test report (`pytest_runtest_logreport`): tests
+  run, passed, failed and skipped (with the reasons) per rung, each op's worst error as a multiple of its
+  noise floor, the op calls each rung made (the coverage listing), the graph rung's token records and
+  bounds, unsupported formats, failures, the slowest phases. With pytest-xdist the controller's summary
+  gets every worker's reports (the properties the tests attached travel with them).
+- progress lines: every PROGRESS_SECONDS (env NANOQWEN_PROGRESS_SECONDS, default 60) a line with the tests
+  finished, of how many (the collection's count, or the first worker's with workers), the rate and the
+  slowest phase so far.
+- `pytest_sessionfinish`: the graph rung's near-tie flip rule, judged over every prompt of the run, fails
+  the run when a backend flips more often than the plain forward (ladder/tokens.py judge_flips).
+- `pytest_terminal_summary`: the table per rung and the op error table at the end, and `--ladder-json
+  FILE` (the same data as JSON, for `nanoqwen ladder` and ladder/report.py).
+
+`attach(config)` (from the plugin's pytest_configure) gives the session its summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import pytest
+
+from kernels import OPS
+from ladder.report import SLOWEST
+
+RUNGS = ("unit", "layer", "graph")
+
+
+def is_worker(config) -> bool:
+    """True in a pytest-xdist worker (the controller sums the workers' reports and writes the summary)."""
+    return hasattr(config, "workerinput")
+
+
+def attach(config) -> None:
+    """A fresh summary for this session (config._nanoqwen), known to the hooks that are not handed the config."""
+    config._nanoqwen = RunSummary()
+    config._nanoqwen.shard = config.getoption("--shard")
+    _CONFIG["config"] = config
+
+
+class RunSummary:
+    """What one pytest process saw: counts and skip reasons per rung, each op's worst error, op calls, the
+    graph rung's records, failures, durations; with workers, the controller's holds every worker's reports."""
+
+    def __init__(self):
+        self.counts = defaultdict(Counter)  # rung -> outcome -> n
+        self.skips = defaultdict(Counter)  # rung -> reason -> n
+        self.worst: dict[tuple, dict] = {}  # (rung, backend, op) -> worst record
+        self.calls = defaultdict(Counter)  # (rung, backend) -> op -> n
+        self.graph: list[dict] = []  # graph rung: one ladder/tokens.py record per prompt and backend
+        self.graph_bounds: list[dict] = []  # the bounds each worker derived (the same, recorded once)
+        self.failures: list[str] = []
+        self.unsupported = Counter()  # (backend, format) -> tests that failed for want of a kernel
+        self.shard: str | None = None  # --shard I/N of this run
+        self.durations: list[tuple[float, str]] = []  # (seconds of a setup or call phase, node id)
+        self.total: int | None = None  # tests to run, where the collection says (progress lines)
+        self.finished = 0
+        self.started = time.monotonic()
+        self.last_progress = self.started
+
+    def add(self, report, rung: str):
+        if report.when in ("setup", "call"):  # a slow setup is a fixture (a model load, the graph rung's bounds)
+            self.durations.append((float(getattr(report, "duration", 0.0) or 0.0),
+                                   report.nodeid + (" [setup]" if report.when == "setup" else "")))
+        if report.when == "call" or (report.when != "call" and report.failed) or (report.when == "setup" and report.skipped):
+            outcome = report.outcome
+            self.counts[rung][outcome] += 1
+            self.finished += 1
+            if report.skipped:
+                reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+                self.skips[rung][reason.removeprefix("Skipped: ")] += 1
+            if report.failed:
+                self.failures.append(report.nodeid)
+        if report.when != "teardown":  # every phase's report carries the item's properties: read them once
+            return
+        for key, value in report.user_properties:
+            if key == "nanoqwen_check":
+                k = (rung, value["backend"], value["op"])
+                if k not in self.worst or value["multiple"] > self.worst[k]["multiple"]:
+                    self.worst[k] = value
+            elif key == "nanoqwen_calls":
+                self.calls[(rung, value["backend"])].update(value["calls"])
+            elif key == "nanoqwen_graph":
+                self.graph.append(value)
+            elif key == "nanoqwen_unsupported":
+                self.unsupported[(value["backend"], value["format"])] += 1
+            elif key == "nanoqwen_graph_bounds" and value not in self.graph_bounds:
+                self.graph_bounds.append(value)
+
+    def progress(self) -> str | None:
+        """A progress line every PROGRESS_SECONDS (long rungs: the graph rung on a GPU runs for many
+        minutes with nothing but dots): tests finished, of how many, the rate, the slowest so far."""
+        now = time.monotonic()
+        if now - self.last_progress < PROGRESS_SECONDS or not self.finished:
+            return None
+        self.last_progress = now
+        minutes = (now - self.started) / 60
+        of = f" of {self.total}" if self.total else ""
+        slow = max(self.durations, default=None)
+        return (f"[nanoqwen] {self.finished}{of} tests in {minutes:.1f} min ({self.finished / max(minutes, 1e-9):.1f}/min)"
+                + (f"; slowest so far {slow[0]:.1f} s: {slow[1]}" if slow else ""))
+
+    def as_json(self) -> dict:
+        return {
+            "rungs": {r: dict(self.counts[r]) for r in RUNGS},
+            "skips": {r: dict(self.skips[r]) for r in RUNGS},
+            "ops": [{"rung": r, "backend": b, "op": o, **{k: v for k, v in rec.items() if k in
+                     ("multiple", "max_abs", "rel_l2", "floor", "case", "seed", "passed")}}
+                    for (r, b, o), rec in sorted(self.worst.items(), key=lambda kv: tuple(str(x) for x in kv[0]))],
+            "calls": [{"rung": r, "backend": b, "op": op, "n": n}
+                      for (r, b), c in sorted(self.calls.items(), key=lambda kv: tuple(str(x) for x in kv[0]))
+                      for op, n in sorted(c.items())],
+            "ops_never_called": sorted({(b, op) for (_, b) in self.calls for op in OPS}
+                                       - {(b, op) for (_, b), c in self.calls.items() for op in c}),
+            "graph": [vars(x) for x in self.graph_summaries()],
+            "graph_flips": [v.record() for v in self.flip_verdicts()],
+            "graph_bounds": self.graph_bounds,
+            "near_ties": [{**d, "backend": r["backend"]} for r in self.graph for d in r["near_ties"]],
+            "failures": self.failures,
+            "unsupported": [{"backend": b, "format": f, "tests": n} for (b, f), n in sorted(self.unsupported.items())],
+            "shard": self.shard,
+            "slowest": [{"seconds": d, "test": n} for d, n in sorted(self.durations, reverse=True)[:SLOWEST]],
+        }
+
+    def graph_summaries(self):
+        from ladder.tokens import summarize
+
+        return summarize(self.graph)
+
+    def flip_verdicts(self):
+        """The near-tie flip rule per backend, over every prompt this run compared (ladder/tokens.py)."""
+        from ladder.tokens import judge_flips
+
+        return [judge_flips(g) for g in self.graph_summaries()]
+
+
+_CONFIG: dict = {}  # the session's config, for hooks that are not handed it
+PROGRESS_SECONDS = float(os.environ.get("NANOQWEN_PROGRESS_SECONDS", "60"))  # between progress lines
+
+
+def pytest_runtest_logreport(report):
+    config = _CONFIG.get("config")
+    if config is None:
+        return
+    rung = next((r for r in RUNGS if f"ladder/{r}/" in report.nodeid.replace(os.sep, "/")), "other")
+    config._nanoqwen.add(report, rung)
+    if not is_worker(config):
+        line = config._nanoqwen.progress()
+        tr = config.pluginmanager.get_plugin("terminalreporter")
+        if line and tr is not None:
+            tr.write_line("")
+            tr.write_line(line)
+
+
+def pytest_collection_finish(session):
+    if not is_worker(session.config):  # without workers, this process collected everything
+        session.config._nanoqwen.total = len(session.items)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """With workers, the controller learns the test count from the first worker's collection."""
+    config = _CONFIG.get("config")
+    if config is not None and config._nanoqwen.total is None:
+        config._nanoqwen.total = len(ids)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The graph rung's near-tie flip rule judges all the prompts together, so it decides here, where
+    every worker's results have arrived: a backend that flips more often than the plain forward fails
+    the run (ladder/tokens.py judge_flips)."""
+    config = session.config
+    if is_worker(config) or not hasattr(config, "_nanoqwen"):
+        return
+    bad = [v for v in config._nanoqwen.flip_verdicts() if not v.passed]
+    for v in bad:
+        config._nanoqwen.failures.append(f"graph rung, {v.describe()}")
+    if bad and session.exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if is_worker(config):
+        return
+    s: RunSummary = config._nanoqwen
+    out = config.getoption("--ladder-json")
+    if out:  # written even when nothing ran (a shard may hold none of a rung's tests)
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(s.as_json(), indent=1, default=str))
+    tr = terminalreporter
+    rungs = [r for r in (*RUNGS, "other") if s.counts[r]]
+    if not rungs:
+        return
+    tr.section("nanoqwen ladder")
+    if config.getoption("--plant-fault"):
+        tr.line(f"PLANTED FAULT {config.getoption('--plant-fault')}: this run is meant to fail", red=True)
+    tr.line(f"{'rung':<8}{'run':>6}{'passed':>8}{'failed':>8}{'skipped':>9}")
+    for r in rungs:
+        c = s.counts[r]
+        tr.line(f"{r:<8}{sum(c.values()):>6}{c['passed']:>8}{c['failed']:>8}{c['skipped']:>9}")
+        for reason, n in s.skips[r].most_common():
+            tr.line(f"          skipped {n}x: {reason}")
+    if s.worst:
+        tr.line("")
+        tr.line(f"{'rung':<8}{'backend':<11}{'op':<22}{'worst err / noise floor':>24}  case")
+        for (r, b, o), rec in sorted(s.worst.items(), key=lambda kv: tuple(str(x) for x in kv[0])):
+            mult = rec["multiple"]
+            shown = "exact" if mult == 0 else f"{mult:.2f}x"
+            flag = "" if rec["passed"] else "  FAILED"
+            tr.line(f"{r:<8}{str(b):<11}{o:<22}{shown:>24}  {rec['case']}{flag}")
+    for g in s.graph_summaries():
+        tr.line("")
+        tr.line(g.describe())
+        for d in [d for r in s.graph if r["backend"] == g.backend for d in r["near_ties"]][:10]:
+            tr.line(f"  near-tie: prompt {d['prompt_id']!r} position {d['position']}: reference {d['ref_token']}, "
+                    f"engine {d['engine_token']}, margin {d['margin']:.4g}")
+    for b in s.graph_bounds:
+        from ladder.tokens import GraphBounds
+
+        tr.line(GraphBounds.from_record(b).describe())
+    for (b, f), n in sorted(s.unsupported.items()):
+        tr.line(f"UNSUPPORTED: backend {b} has no kernel for format {f}: {n} tests failed for it", red=True)
+    for v in s.flip_verdicts():
+        tr.line(v.describe(), red=not v.passed)
+
