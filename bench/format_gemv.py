@@ -3,7 +3,7 @@
     python -m bench.format_gemv [--formats a,b] [--shape qwen2.5-coder-7b] [--repeats N] [--all-variants]
                                 [--json OUT]
 
-The command line of the measurement in ladder/gemv_timing.py (`gemv_times`, `summary`), which
+The command line of the measurement in ladder/tools/gemv_timing.py (`gemv_times`, `summary`), which
 `nanoqwen quant-report`'s GEMV column runs too; what it times and how is said there. On the cuda
 backend, for each format (default: every format it has a launcher for) and each of the four quantized
 linears of the shape, at T = 1 with the op's epilogue fused, in the backend's configured GEMV variant
@@ -24,7 +24,7 @@ import json
 import sys
 from pathlib import Path
 
-from ladder.gemv_timing import ACCEPT_RATIO, NOMINAL_BANDWIDTH, gemv_times, summary
+from ladder.tools.gemv_timing import ACCEPT_RATIO, NOMINAL_BANDWIDTH, gemv_times, summary
 
 
 def fastest(rows: list[dict]) -> dict[str, dict[str, str]]:

@@ -5,7 +5,7 @@ and index, so a rerun builds the same model; each format's stored tensors filled
 about unit gain), the bytes a decode step must read, CUDA-event timing of a graph and the copy-rate
 ceiling, the state of one decode step at a given context, the per-kernel table and the GEMV variant
 sweep (the timing helpers, the seeded random bits and the seeded blocks of any format come from
-ladder/gemv_timing.py). CuPy is imported inside the functions: the module imports on a machine without it.
+ladder/tools/gemv_timing.py). CuPy is imported inside the functions: the module imports on a machine without it.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import numpy as np
 
 # The GPU timing helpers and the seeded random bits are shared with `nanoqwen quant-report`'s GEMV column,
 # so they live in the ladder (bench/ is a leaf nothing imports); bench/ imports them from here.
-from ladder.gemv_timing import (BLOCK_ROWS, copy_rate, hash_kernel, name_seed, quantized_block,  # noqa: F401
+from ladder.tools.gemv_timing import (BLOCK_ROWS, copy_rate, hash_kernel, name_seed, quantized_block,  # noqa: F401
                                 time_graph)
 
 
@@ -42,7 +42,7 @@ def fill_normal_f16(arr, std, name, seed):
 # ---- each format's stored tensors, through the format's own definition ------------------------------
 #
 # A linear's stored tensors are its format's own `quantize` of a seeded random block of BLOCK_ROWS rows
-# (ladder/gemv_timing.py quantized_block), written down the rows on the device block after block.
+# (ladder/tools/gemv_timing.py quantized_block), written down the rows on the device block after block.
 
 
 def fill_linear(q, name: str, seed: int) -> None:

@@ -37,11 +37,11 @@ from engine.formats import DEFAULT_FORMAT, FORMATS
 # The commands that live outside the engine: name -> "module:register", `register(subparsers)` adding it.
 COMMANDS = {
     "ladder": "ladder.runner:register",
-    "bisect": "ladder.bisect:register",
-    "descend": "ladder.descend:register",
+    "bisect": "ladder.tools.bisect:register",
+    "descend": "ladder.tools.descend:register",
     "bench": "bench.cli:register",
-    "quant-report": "ladder.quant_report:register",
-    "mutate": "ladder.mutate:register",
+    "quant-report": "ladder.tools.quant_report:register",
+    "mutate": "ladder.tools.mutate:register",
 }
 
 

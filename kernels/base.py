@@ -63,6 +63,16 @@ class Backend(abc.ABC):
         return True, "cpu"
 
     @classmethod
+    def warm_up(cls) -> None:
+        """Pay a once-per-machine cost before parallel test workers start, so they share it instead of each
+        paying it (CUDA: compile every module into CuPy's on-disk cache). Nothing by default."""
+
+    @classmethod
+    def test_workers(cls) -> int | None:
+        """How many parallel test workers suit this backend on this machine; None: one per core."""
+        return None
+
+    @classmethod
     def worker_options(cls, worker: int) -> dict:
         """Constructor options for parallel test worker number `worker` (e.g. which GPU it takes)."""
         return {}

@@ -1,9 +1,11 @@
 """The parts of the project and the arrows between them: the one table that docs/ARCHITECTURE.md
-("The parts") draws and ladder/unit/test_imports.py enforces on every import in the tree.
+("The parts") draws and ladder/selftest/test_imports.py enforces on every import in the tree.
 
 `ARROWS[part]` is the set of other top-level packages `part`'s modules may import. `NARROW_ARROWS` are
 the few arrows allowed to one module only, from one module: (importing module, imported module) -> why.
 `LEAVES` are the parts no other part imports at all: no arrow, wide or narrow, points into them.
+Inside ladder/, `LADDER_LAYERS` keep the ladder itself apart from what is built on it: the tools that drive
+it (ladder/tools/) and the self-tests (ladder/selftest/); an arrow points into a layer only from above.
 """
 
 from __future__ import annotations
@@ -29,15 +31,28 @@ NARROW_ARROWS: dict[tuple[str, str], str] = {
 }
 
 # Leaves: parts nothing else imports, not even through a narrow arrow (bench/ measures everything; a
-# piece of it that another part needs moves out of it: ladder/gemv_timing.py, quant-report's GEMV column).
+# piece of it that another part needs moves out of it: ladder/tools/gemv_timing.py, quant-report's GEMV column).
 LEAVES = frozenset({"bench"})
+
+# ladder/'s own layers, highest first; the rest of ladder/ (the plugin, tolerances, comparisons, faults,
+# report, the rungs) is the ladder itself, below them all. A module of ladder/ imports its own layer or
+# one below: the ladder never imports a tool or a self-test, a tool never a self-test.
+LADDER_LAYERS = ("ladder.selftest", "ladder.tools")
+
+
+def ladder_layer(module: str) -> int:
+    """0 for the ladder itself, higher for each layer of `LADDER_LAYERS` above it."""
+    for i, prefix in enumerate(LADDER_LAYERS):
+        if module == prefix or module.startswith(prefix + "."):
+            return len(LADDER_LAYERS) - i
+    return 0
 
 
 def allowed(importer: str, imported: str) -> bool:
     """Whether module `importer` (dotted name) may import module `imported`."""
     src, dst = importer.split(".")[0], imported.split(".")[0]
     if src == dst:
-        return True
+        return src != "ladder" or ladder_layer(importer) >= ladder_layer(imported)
     if dst in LEAVES:
         return False
     return dst in ARROWS.get(src, ()) or (importer, imported) in NARROW_ARROWS

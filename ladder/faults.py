@@ -3,7 +3,7 @@
 Each fault is minimal (one wrong position, not a wrecked tensor) and is installed only through
 `pytest --plant-fault NAME[@LAYER]`, by wrapping one op of the Backend object. `@LAYER` limits it to
 one layer's blocks (read from `engine.block.CURRENT_LAYER`); ops called outside a block (the unit
-rung) are always affected. `ladder/unit/test_faults.py` runs real rungs with each fault in a
+rung) are always affected. `ladder/selftest/test_faults.py` runs real rungs with each fault in a
 subprocess and asserts they go red and name the op: a rung that stays green under its fault is a bug
 in the rung.
 

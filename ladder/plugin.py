@@ -2,7 +2,9 @@
 
 Loaded by the repository's root conftest.py, or with `-p ladder.plugin` from an installed package.
 
-- Tests under `ladder/unit`, `ladder/layer`, `ladder/graph` carry the marker of their rung.
+- Tests under `ladder/unit`, `ladder/layer`, `ladder/graph` carry the marker of their rung; those under
+  `ladder/selftest` (the tests of the ladder's own commands and judges, which `nanoqwen ladder` does not
+  run) carry `selftest`.
 - `--backend numpy|cuda|all` picks the engines under test (default: both, so the cuda cases run where
   a GPU and CuPy are present and show as skipped, with the reason, elsewhere); a test takes the
   `backend` fixture and runs once per backend. A backend that cannot run here is a skip with its reason,
@@ -42,7 +44,7 @@ from hypothesis import HealthCheck, settings
 from kernels import backend_available, backend_class, backend_names, backend_needs_device, get_backend
 from ladder import required
 # The summary's hooks are this plugin's: pytest registers the hooks a plugin module holds, these included.
-from ladder.summary import (RUNGS, attach, is_worker, pytest_collection_finish,  # noqa: F401
+from ladder.summary import (ROWS, attach, is_worker, pytest_collection_finish,  # noqa: F401
                             pytest_runtest_logreport, pytest_sessionfinish, pytest_terminal_summary,
                             pytest_xdist_node_collection_finished)
 
@@ -59,6 +61,7 @@ MARKERS = {
     "unit": "each kernel against the float64 NumPy reference (Hypothesis-drawn shapes)",
     "layer": "one decoder block against transformers' Qwen2DecoderLayer and golden activations",
     "graph": "greedy tokens of the whole model against the HF simulation",
+    "selftest": "the ladder's own commands and judges, not the engine (ladder/selftest/; not a rung of nanoqwen ladder)",
     "gpu": "needs a CUDA GPU (skipped with a reason elsewhere)",
 }
 
@@ -190,6 +193,35 @@ def pytest_configure(config):
             raise pytest.UsageError(str(e)) from None
     selected_formats(config)
     attach(config)
+    if not is_worker(config):
+        _share_cores(config)
+        _warm_up_backends(config)
+
+
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def _share_cores(config) -> None:
+    """With N pytest-xdist workers, each worker's BLAS (the float64 references) gets cores / N threads,
+    set here in the controller before the workers start (they inherit its environment): 16 workers each
+    running 16 BLAS threads on 16 cores spent most of a GPU nightly's unit rung switching threads. A value
+    the user set is kept."""
+    workers = getattr(config.option, "numprocesses", None)
+    if isinstance(workers, int) and workers > 1:
+        per = str(max(1, (os.cpu_count() or 1) // workers))
+        for var in THREAD_VARIABLES:
+            os.environ.setdefault(var, per)
+
+
+def _warm_up_backends(config) -> None:
+    """Once-per-machine costs (CUDA: the NVRTC compile of every module) paid here, in the controller,
+    before any pytest-xdist worker starts; the workers then share the result (kernels/base.py warm_up)."""
+    for name in selected_backends(config):
+        if backend_needs_device(name) and backend_available(name)[0]:
+            try:
+                backend_class(name).warm_up()
+            except Exception as e:  # the tests will fail with the whole story; say it once here
+                config.get_terminal_writer().line(f"nanoqwen: warming up backend {name} failed: {e}", red=True)
 
 
 def pytest_sessionstart(session):
@@ -222,11 +254,12 @@ def pytest_generate_tests(metafunc):
 
 
 def _rung_of(item) -> str | None:
+    """The marker of the folder of ladder/ the test lives in: its rung, or `selftest`."""
     try:
         rel = Path(str(item.fspath)).resolve().relative_to(_LADDER_DIR)
     except ValueError:
         return None
-    return rel.parts[0] if rel.parts and rel.parts[0] in RUNGS else None
+    return rel.parts[0] if rel.parts and rel.parts[0] in ROWS else None
 
 
 def pytest_collection_modifyitems(config, items):
@@ -242,6 +275,8 @@ def pytest_collection_modifyitems(config, items):
         if dropped:
             config.hook.pytest_deselected(items=dropped)
         items[:] = kept
+    formats = selected_formats(config)
+    grouped = config.pluginmanager.hasplugin("xdist")  # its marker exists only where it is loaded
     for item in items:
         rung = _rung_of(item)
         if rung:
@@ -250,6 +285,11 @@ def pytest_collection_modifyitems(config, items):
         name = callspec.params.get("backend_name") if callspec is not None else None
         if name is not None and backend_needs_device(name):
             item.add_marker(pytest.mark.gpu)
+        quant = callspec.params.get("quant_name") if callspec is not None else None
+        if quant is not None and len(formats) > 1 and grouped:
+            # With `--dist loadgroup` (nanoqwen ladder passes it) a format's cases stay on one worker, which
+            # builds its model and reference once instead of at every switch between formats.
+            item.add_marker(pytest.mark.xdist_group(f"{quant}-{name}"))
 
 
 # --- fixtures ------------------------------------------------------------------------------------

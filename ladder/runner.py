@@ -42,8 +42,9 @@ def rung_command(rung: str, out: Path, args, extra: list[str]) -> list[str]:
            "-p", "no:cacheprovider", "--strict-markers", "-q", "-ra",
            "--ladder-json", str(out / f"{rung}.json"),
            "--junitxml", str(out / f"junit-{rung}.xml"), "-o", "junit_family=xunit2"]
-    if args.workers != "0":
-        cmd += ["-n", args.workers]
+    workers = worker_count(args)
+    if workers != "0":  # a format's cases stay together on one worker (ladder/plugin.py marks the groups)
+        cmd += ["-n", workers, "--dist", "loadgroup"]
     for opt in ("backend", "quant", "model", "prompts", "plant_fault", "hypothesis_profile", "new_tokens", "shard"):
         value = getattr(args, opt, None)
         if value:
@@ -53,6 +54,20 @@ def rung_command(rung: str, out: Path, args, extra: list[str]) -> list[str]:
     if getattr(args, "skip_determinism", False):
         cmd += ["--skip-determinism"]
     return cmd + extra
+
+
+def worker_count(args) -> str:
+    """`-n`: what the user gave; for `auto` with a device backend that runs here, the backend's own measured
+    choice (kernels/base.py test_workers: two per GPU on CUDA) instead of one per core."""
+    if args.workers != "auto":
+        return args.workers
+    from kernels import backend_available, backend_class, backend_names, backend_needs_device
+
+    names = backend_names() if args.backend in (None, "all") else [args.backend]
+    device = [backend_class(n).test_workers() for n in names
+              if backend_needs_device(n) and backend_available(n)[0]]
+    device = [n for n in device if n]
+    return str(min(device)) if device else "auto"
 
 
 def rung_environment() -> dict:

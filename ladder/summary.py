@@ -29,7 +29,9 @@ import pytest
 from kernels import OPS
 from ladder.report import SLOWEST
 
-RUNGS = ("unit", "layer", "graph")
+RUNGS = ("unit", "layer", "graph")  # the ladder's rungs: `nanoqwen ladder` runs these (ladder/runner.py)
+SELFTEST = "selftest"  # ladder/selftest/: the tests of the ladder's own commands and judges, not a rung
+ROWS = (*RUNGS, SELFTEST)  # the summary's rows, each the folder of ladder/ its tests live in (else "other")
 
 
 def is_worker(config) -> bool:
@@ -108,8 +110,9 @@ class RunSummary:
 
     def as_json(self) -> dict:
         return {
-            "rungs": {r: dict(self.counts[r]) for r in RUNGS},
-            "skips": {r: dict(self.skips[r]) for r in RUNGS},
+            # the rungs always (a report reads each); the self-tests where this run had any
+            "rungs": {r: dict(self.counts[r]) for r in ROWS if r in RUNGS or self.counts[r]},
+            "skips": {r: dict(self.skips[r]) for r in ROWS if r in RUNGS or self.counts[r]},
             "ops": [{"rung": r, "backend": b, "op": o, **{k: v for k, v in rec.items() if k in
                      ("multiple", "max_abs", "rel_l2", "floor", "case", "seed", "passed")}}
                     for (r, b, o), rec in sorted(self.worst.items(), key=lambda kv: tuple(str(x) for x in kv[0]))],
@@ -148,7 +151,7 @@ def pytest_runtest_logreport(report):
     config = _CONFIG.get("config")
     if config is None:
         return
-    rung = next((r for r in RUNGS if f"ladder/{r}/" in report.nodeid.replace(os.sep, "/")), "other")
+    rung = next((r for r in ROWS if f"ladder/{r}/" in report.nodeid.replace(os.sep, "/")), "other")
     config._nanoqwen.add(report, rung)
     if not is_worker(config):
         line = config._nanoqwen.progress()
@@ -194,7 +197,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(s.as_json(), indent=1, default=str))
     tr = terminalreporter
-    rungs = [r for r in (*RUNGS, "other") if s.counts[r]]
+    rungs = [r for r in (*ROWS, "other") if s.counts[r]]
     if not rungs:
         return
     tr.section("nanoqwen ladder")

@@ -12,7 +12,7 @@ engine may not flip them more often than the plain forward does at the floor pro
 refuses a model whose allowed difference is comparable to the spread of its logits.
 
 The epsilon and the allowed difference are the model's own: the `bounds` fixture derives them once per
-worker from the model's noise floor (the plain fp32 forward with fp16 storage against the HF simulation)
+model (one worker measures, the others and later runs read them: ladder/bounds_store.py) from the model's noise floor (the plain fp32 forward with fp16 storage against the HF simulation)
 on a spread of FLOOR_PROMPTS prompts, the same in every worker (ladder/tokens.py `derive_bounds`).
 
 The reference runs once per prompt per worker (with its own KV cache) and serves every backend. On CUDA
@@ -36,6 +36,7 @@ pytest.importorskip("transformers", reason="the graph rung's reference (the HF s
 
 import engine
 from fixtures.prompts import default_prompts_path, prompts_for_model, read_prompt_ids
+from ladder.bounds_store import bounds_key, load_or_derive
 from ladder.compare import rerun_command
 from ladder.tokens import (GraphBounds, compare_greedy, derive_bounds, engine_logits, spread_by_length,
                            reference_greedy, tokens_to_generate)
@@ -132,12 +133,18 @@ def references(request, model_path):
 @pytest.fixture(scope="session")
 def bounds(request, model_path, prompts, references):
     """The model's near-tie epsilon and allowed logit difference, from its floor on the floor prompts."""
-    key = (str(model_path), request.config.getoption("--new-tokens"), request.config.getoption("--prompts"))
+    new_tokens = request.config.getoption("--new-tokens")
+    key = (str(model_path), new_tokens, request.config.getoption("--prompts"))
     if key not in _BOUNDS:
         chosen = spread_by_length(prompts.values())
-        runs = [(p.id, p.ids, references.get(p)) for p in chosen]
-        references.model()  # the weights the floor's plain forward reads (kept runs need no HF model)
-        _BOUNDS[key] = derive_bounds(references.config, references.weights, runs)
+
+        def derive():
+            runs = [(p.id, p.ids, references.get(p)) for p in chosen]
+            references.model()  # the weights the floor's plain forward reads (kept runs need no HF model)
+            return derive_bounds(references.config, references.weights, runs)
+
+        # measured once per model by one worker, kept for the others and for later runs (ladder/bounds_store.py)
+        _BOUNDS[key] = load_or_derive(bounds_key(model_path, chosen, new_tokens), derive)
     return _BOUNDS[key]
 
 

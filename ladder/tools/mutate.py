@@ -4,7 +4,7 @@
                     [--rungs unit,layer,graph] [-j WORKERS] [--timeout SECONDS] [--report DIR]
                     [--baseline DIR] [--rerun DIR] [--list] [-- PYTEST ARGS]
 
-Each mutant (ladder/mutants.py: one small edit to one kernel source) is written into a private copy
+Each mutant (ladder/tools/mutants.py: one small edit to one kernel source) is written into a private copy
 of the checkout, and the rungs run against it on the chosen backend, cheapest first, each with `-x`:
 the first rung that goes red kills the mutant, and the rest are not run. A mutant every rung passes
 survived: the ladder cannot tell that kernel from a broken one. Outcomes:
@@ -12,7 +12,7 @@ survived: the ladder cannot tell that kernel from a broken one. Outcomes:
 - `killed` (a rung failed, or could not collect: an import that breaks is noticed too),
 - `survived`, `timed_out` (past --timeout: counted as detected, as a hang would be),
 - `did_not_compile` (a Python mutant that no longer parses, a CUDA mutant NVRTC refuses): not scored,
-- `equivalent`: on the reviewed list of ladder/equivalent_mutants.json (a signature and the reason
+- `equivalent`: on the reviewed list of ladder/tools/equivalent_mutants.json (a signature and the reason
   it cannot change any output); not run, not scored, shown in the report.
 
 The score is (killed + timed_out) / (killed + timed_out + survived). Workers (`-j`) each own a copy of
@@ -40,11 +40,11 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from engine.errors import NanoqwenError
-from ladder.mutants import Mutant, compiles, mutants_of
+from ladder.tools.mutants import Mutant, compiles, mutants_of
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the folder that holds the project's packages
 RUNGS = ("unit", "layer", "graph")
-EQUIVALENT_FILE = ROOT / "ladder" / "equivalent_mutants.json"
+EQUIVALENT_FILE = Path(__file__).resolve().parent / "equivalent_mutants.json"
 # What a worker's copy needs: the packages, the root conftest and the project file.
 TREE = ("engine", "kernels", "ladder", "reference", "fixtures", "bench", "conftest.py", "pyproject.toml")
 DEFAULT_FILES = {"numpy": ("kernels/numpy/*.py",), "cuda": ("kernels/cuda/*.cu", "kernels/cuda/*.cuh")}

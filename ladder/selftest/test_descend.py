@@ -1,4 +1,4 @@
-"""Unit rung: `nanoqwen descend` finds planted bugs at the layer and op where they are, and finds
+"""Self-test: `nanoqwen descend` finds planted bugs at the layer and op where they are, and finds
 nothing on the clean engine."""
 
 from __future__ import annotations

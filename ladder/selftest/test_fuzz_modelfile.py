@@ -1,4 +1,4 @@
-"""Unit rung (and nightly): malformed model files never escape as tracebacks, hangs or memory blow-ups.
+"""Self-test: malformed model files never escape as tracebacks, hangs or memory blow-ups.
 
 fixtures/fuzz/ mutates a small valid .nanoqwen file (bytes, lengths, header JSON fields, config
 values, the embedded tokenizer.json) with a seeded, structure-aware mutator and runs, on every
@@ -9,7 +9,8 @@ number and the mutation, replayable with `python -m fixtures.fuzz --seed S --cas
 
 The budget follows the active Hypothesis profile (ladder/plugin.py): `ci` runs CASES["ci"] cases in a
 few seconds, `nightly` runs CASES["nightly"] (100,000), split into CHUNKS parametrized chunks with
-disjoint seeds so pytest-xdist spreads them over the cores.
+disjoint seeds so pytest-xdist spreads them over the cores: `python -m pytest -m selftest -k fuzz
+--hypothesis-profile nightly -n auto` (a self-test, so `nanoqwen ladder`'s nightly run does not run it).
 """
 
 from __future__ import annotations

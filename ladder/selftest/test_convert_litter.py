@@ -1,4 +1,4 @@
-"""Unit rung: an interrupted conversion leaves no litter.
+"""Self-test: an interrupted conversion leaves no litter.
 
 A conversion stopped by SIGTERM or Ctrl-C removes its temporary file; one killed by SIGKILL leaves it
 until the next conversion into the folder, which sweeps the temporary files of dead writers on this

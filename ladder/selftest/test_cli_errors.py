@@ -1,4 +1,4 @@
-"""Unit rung: the command line's edges. Every input error, whatever the subcommand, is exactly one line
+"""Self-test: the command line's edges. Every input error, whatever the subcommand, is exactly one line
 on stderr, `nanoqwen: error: ...` naming the problem, and exit status 2; never a traceback.
 
 Also: an error under a progress bar starts on a fresh line; a conversion done on the way (`generate`,
@@ -158,7 +158,7 @@ def test_a_conversion_on_the_way_to_generate_shows_its_progress(paths, tmp_path,
 
 def test_descend_says_each_phase_before_it_starts():
     """The slow phases (reading and dequantizing, the HF simulation) are announced before they run."""
-    from ladder.descend import descend
+    from ladder.tools.descend import descend
 
     said = []
 

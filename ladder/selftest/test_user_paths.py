@@ -1,4 +1,4 @@
-"""Unit rung: the paths a user takes, run the way a user runs them.
+"""Self-test: the paths a user takes, run the way a user runs them.
 
 Every test here starts the installed `nanoqwen` command in a subprocess, from a temporary folder that is
 not the checkout, and most of them on a model that is not the default: a seeded Qwen2 in Hugging Face
@@ -29,7 +29,7 @@ EXE = shutil.which("nanoqwen")
 pytestmark = [
     pytest.mark.skipif(EXE is None, reason="nanoqwen is not installed here (pip install -e '.[test]'); the "
                                            "checkout runs python -m ladder"),
-    skip_inside_nested_run,  # the ladders started here run the unit rung, which holds this file
+    skip_inside_nested_run,  # a run started from inside a ladder run never starts more (ladder/nested.py)
 ]
 
 

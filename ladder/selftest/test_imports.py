@@ -1,5 +1,6 @@
-"""Unit rung: the arrows between the parts point one way. A scan of every import in every top-level
-package (bench/ included) against the one table of ladder/arrows.py, which docs/ARCHITECTURE.md draws.
+"""Self-test: the arrows between the parts point one way. A scan of every import in every top-level
+package (bench/ included) against the one table of ladder/arrows.py, which docs/ARCHITECTURE.md draws,
+and, inside ladder/, its layers: the ladder itself, the tools that drive it, the self-tests.
 """
 
 from __future__ import annotations
@@ -59,12 +60,12 @@ def test_nothing_imports_bench():
 
 
 def test_a_narrow_arrow_into_bench_is_still_refused(monkeypatch):
-    # how ladder.quant_report once reached bench.format_gemv: the leaf rule wins over the table
-    monkeypatch.setitem(NARROW_ARROWS, ("ladder.quant_report", "bench.format_gemv"), "a hole in the table")
-    assert not allowed("ladder.quant_report", "bench.format_gemv")
+    # how ladder.tools.quant_report once reached bench.format_gemv: the leaf rule wins over the table
+    monkeypatch.setitem(NARROW_ARROWS, ("ladder.tools.quant_report", "bench.format_gemv"), "a hole in the table")
+    assert not allowed("ladder.tools.quant_report", "bench.format_gemv")
     monkeypatch.setitem(ARROWS, "ladder", ARROWS["ladder"] | {"bench"})
-    assert not allowed("ladder.quant_report", "bench.format_gemv")
-    assert allowed("bench.format_gemv", "ladder.gemv_timing") and allowed("bench.cli", "bench.measure")
+    assert not allowed("ladder.tools.quant_report", "bench.format_gemv")
+    assert allowed("bench.format_gemv", "ladder.tools.gemv_timing") and allowed("bench.cli", "bench.measure")
 
 
 @pytest.mark.parametrize("package", sorted(ARROWS))
@@ -95,5 +96,11 @@ def test_the_scan_sees_a_wrong_arrow(tmp_path):
     assert not allowed("engine.resolve", "fixtures.tiny_model")
     assert allowed("engine.resolve", "fixtures.default_model")
     assert not allowed("ladder.runner", "bench.cli")
-    assert not allowed("ladder.quant_report", "bench.format_gemv")
+    assert not allowed("ladder.tools.quant_report", "bench.format_gemv")
     assert not allowed("fixtures.tiny_model", "bench.measure")
+    # inside ladder/: the ladder itself never imports a tool or a self-test, a tool never a self-test
+    assert not allowed("ladder.runner", "ladder.tools.mutate") and not allowed("ladder.plugin", "ladder.selftest")
+    assert not allowed("ladder.unit.test_ops", "ladder.tools.descend")
+    assert not allowed("ladder.tools.bisect", "ladder.selftest.test_bisect")
+    assert allowed("ladder.tools.mutate", "ladder.nested") and allowed("ladder.tools.mutate", "ladder.tools.mutants")
+    assert allowed("ladder.selftest.test_mutants", "ladder.tools.mutate") and allowed("bench.measure", "ladder.tools.gemv_timing")

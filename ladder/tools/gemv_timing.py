@@ -1,5 +1,5 @@
 """Each quantization format's decode GEMV time at a real model's shapes, against the bandwidth floor,
-on the cuda backend: the measurement that `nanoqwen quant-report` (its GEMV column, ladder/quant_report.py)
+on the cuda backend: the measurement that `nanoqwen quant-report` (its GEMV column, ladder/tools/quant_report.py)
 and `python -m bench.format_gemv` (its table and its --all-variants sweep) both run, with the GPU timing
 helpers it needs, which `nanoqwen bench` (bench/measure.py) uses too. It lives in ladder/ because the
 ladder's quant-report needs it and bench/ is a leaf nothing imports (ladder/arrows.py).

@@ -1,6 +1,8 @@
-"""Unit rung: proof that the ladder catches bugs. Each planted fault of ladder/faults.py runs a real
-rung in a subprocess, on the backend under test; the run must exit non-zero and its failure must name
-the op. A rung that stays green under its fault is a bug in the rung.
+"""Self-test: `nanoqwen ladder --plant-fault` turns a real run red, end to end, and the fault options
+behave. That each fault of ladder/faults.py fails the rung's own checks and names its op is proven in
+process, on every backend and format, by the unit rung itself (ladder/unit/test_planted_faults.py);
+here one fault goes through the whole command: option parsing, the rung subprocess, the exit status, the
+banner and the report.
 
 The subprocess selects exactly one backend and gets that backend's environment (ladder/nested.py): the
 nightly GPU job's NANOQWEN_REQUIRE_GPU=1 is kept for the cuda runs and dropped for the numpy runs
@@ -8,7 +10,6 @@ nightly GPU job's NANOQWEN_REQUIRE_GPU=1 is kept for the cuda runs and dropped f
 
 from __future__ import annotations
 
-import shlex
 import subprocess
 
 import pytest
@@ -24,24 +25,26 @@ def run_rung(args: list[str], backend: str = "numpy") -> subprocess.CompletedPro
     return run_pytest(["-x", *args], backend)
 
 
-def _cases():
-    """(fault, format): a fault that reads quantized weights once per format (each format's kernels must
-    catch it), the others once, in the default format."""
-    from engine.formats import DEFAULT_FORMAT, FORMATS
+def test_nanoqwen_ladder_with_a_planted_fault_is_red_and_names_the_op(backend, tmp_path):
+    """The command as a user runs it, from a foreign folder: exit 1, the banner, the op, a FAILED report."""
+    import json
+    import sys
 
-    return [(name, quant) for name in sorted(FAULTS)
-            for quant in (sorted(FORMATS) if FAULTS[name].per_format else [DEFAULT_FORMAT])]
+    from ladder.nested import REPO, child_env
 
-
-@pytest.mark.parametrize("name,quant", _cases())
-def test_planted_fault_turns_its_rung_red_and_names_the_op(backend, name, quant):
-    fault = FAULTS[name]
-    r = run_rung([*shlex.split(fault.rung), "--quant", quant, "--plant-fault", name], backend.name)
+    fault = FAULTS["nibble_swap"]
+    r = subprocess.run([sys.executable, "-m", "ladder", "ladder", "--backend", backend.name, "--rungs", "unit",
+                        "--quant", "int4_sym_g128", "--plant-fault", fault.name, "-n", "0", "--report", "rep",
+                        "--", "-k", "qkv_proj_with_bias"],
+                       cwd=tmp_path, capture_output=True, text=True, env=child_env(backend.name, str(REPO)),
+                       timeout=600)
     out = r.stdout + r.stderr
-    assert r.returncode == 1, f"--plant-fault {name} ({fault.describes}) left `pytest {fault.rung} --quant {quant}` green:\n{out[-3000:]}"
+    assert r.returncode == 1, f"--plant-fault {fault.name} left `nanoqwen ladder` green:\n{out[-3000:]}"
+    assert f"PLANTED FAULT {fault.name}" in out
     failure = out[out.find("FAILURES"):] if "FAILURES" in out else out
     assert any(n in failure for n in fault.names), f"the failure does not name {fault.names}:\n{failure[-3000:]}"
-    assert f"PLANTED FAULT {name}" in out
+    report = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert report["meta"]["result"] == "FAILED" and report["rungs"]["unit"]["failed"] >= 1
 
 
 def test_layer_scoped_fault_fails_only_its_layer(backend):

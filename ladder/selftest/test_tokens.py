@@ -1,10 +1,10 @@
-"""Unit rung for the graph rung's judge: ladder/tokens.py on synthetic logits, and the prompt files.
+"""Self-test of the graph rung's judge: ladder/tokens.py on synthetic logits, and the prompt files.
 
 A comparison that cannot fail is worse than none: a real mismatch must fail and say where, a near-tie
 must be recorded and teacher-forced, NaN must fail, an engine that flips near-ties more often than the
 plain forward must fail, and a model no check can judge must be refused. The
 judge's bounds here are those a floor of FLOOR implies (ladder/tokens.py `bounds_from_floor`); how a
-real model's floor is measured is ladder/unit/test_graph_bounds.py.
+real model's floor is measured is ladder/selftest/test_graph_bounds.py.
 """
 
 from __future__ import annotations

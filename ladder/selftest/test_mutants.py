@@ -1,8 +1,8 @@
-"""Unit rung: the mutants of `nanoqwen mutate` are one-site edits of code, and the run judges them right.
+"""Self-test: the mutants of `nanoqwen mutate` are one-site edits of code, and the run judges them right.
 
-ladder/mutants.py must never edit a comment, a docstring, a string (inline PTX) or a preprocessor line,
+ladder/tools/mutants.py must never edit a comment, a docstring, a string (inline PTX) or a preprocessor line,
 must leave template brackets, casts, pointer declarators and signs alone, and must give every mutant a
-signature that names it alone. ladder/mutate.py must call a mutant the unit rung catches "killed" and
+signature that names it alone. ladder/tools/mutate.py must call a mutant the unit rung catches "killed" and
 one it cannot see "survived", and refuse bad arguments in one line. The reviewed equivalent list must
 name mutants that exist, each with its reason.
 """
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from ladder.mutants import Mutant, compiles, cuda_mutants, mutants_of, python_mutants
-from ladder.mutate import DEFAULT_FILES, EQUIVALENT_FILE, ROOT, all_mutants, kernel_files, run, sample
+from ladder.tools.mutants import Mutant, compiles, cuda_mutants, mutants_of, python_mutants
+from ladder.tools.mutate import DEFAULT_FILES, EQUIVALENT_FILE, ROOT, all_mutants, kernel_files, run, sample
 from ladder.nested import child_env, skip_inside_nested_run
 
 KERNEL_FILES = kernel_files(DEFAULT_FILES["numpy"] + DEFAULT_FILES["cuda"])

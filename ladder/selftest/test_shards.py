@@ -1,4 +1,4 @@
-"""Unit rung: `nanoqwen ladder --shard I/N` and `nanoqwen ladder merge` (ladder/shards.py).
+"""Self-test: `nanoqwen ladder --shard I/N` and `nanoqwen ladder merge` (ladder/shards.py).
 
 The end-to-end test runs the NumPy ladder (a small selection of every rung, so CI pays about two
 minutes) once whole and once as three shards, merges the shards, and requires the merged report to say

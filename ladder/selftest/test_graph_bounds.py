@@ -1,4 +1,4 @@
-"""Unit rung for the graph rung's bounds: derived per model from its measured floor, they follow the
+"""Self-test of the graph rung's bounds: derived per model from its measured floor, they follow the
 model's logit scale, pass a correct engine and still fail a wrong one, on models of several sizes.
 
 The models are the seeded random Qwen2 (fixtures/tiny_model.py) at the hidden sizes of Qwen2.5-0.5B,
@@ -182,7 +182,7 @@ def test_a_correct_engine_is_green_on_the_trained_like_model():
 
 # fp16 accumulation in the down projection moves this model's logits by about a third of the allowed
 # difference (bench/graph_bounds.py: 0.33x on the default model): the graph rung cannot see it, the unit
-# and layer rungs do (ladder/unit/test_faults.py), and `nanoqwen ladder --rungs layer,graph` is red for it.
+# and layer rungs do (ladder/selftest/test_faults.py), and `nanoqwen ladder --rungs layer,graph` is red for it.
 GRAPH_FAULTS = sorted(f for f in FAULTS if f != "fp16_accumulation")
 
 

@@ -1,4 +1,4 @@
-"""Unit rung: `nanoqwen quant-report` measures what it says. Its metrics are sane on a tiny seeded model
+"""Self-test: `nanoqwen quant-report` measures what it says. Its metrics are sane on a tiny seeded model
 (KL >= 0, agreement in [0, 1], a perplexity change that is the difference of two perplexities), exact on
 an identity (the same logits twice, or a format that stores the weight as it is: KL 0, agreement 1, no
 change), its JSON holds every format and every column, it draws its chart where matplotlib is
@@ -23,7 +23,7 @@ from engine.config import SHAPES
 from engine.formats import FORMATS, Format
 from kernels import cuda_available
 from ladder.nested import child_env
-from ladder.quant_report import (COLUMNS, Subject, Tally, compare_logits, gemv_cell, measure_model,
+from ladder.tools.quant_report import (COLUMNS, Subject, Tally, compare_logits, gemv_cell, measure_model,
                                  seeded_subject)
 
 TINY = "tiny"  # the seeded shape the tests run: 4 layers, hidden 256, vocab 512

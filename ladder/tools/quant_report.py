@@ -19,7 +19,7 @@ windows). Over every position of every window:
   linears, weighted by their sizes (`Format.bytes_per_weight`);
 - GEMV at the 7B shape: on a machine where the cuda backend runs, the format's decode GEMV time over
   the four quantized ops of a Qwen2.5-Coder-7B layer and its multiple of the bandwidth floor
-  (ladder/gemv_timing.py, which `python -m bench.format_gemv` runs too: `gemv_times` and its `summary`,
+  (ladder/tools/gemv_timing.py, which `python -m bench.format_gemv` runs too: `gemv_times` and its `summary`,
   both kept in the JSON); elsewhere "no GPU".
 
 The models: `default` is the trained tiny coder on its held-out files (in its own tokens); `seeded` is
@@ -66,7 +66,7 @@ COLUMNS = {
     "ppl_change_pct": "ppl_change as a percentage of the fp16 model's perplexity",
     "bytes_per_weight": "stored bytes per weight over the model's linears, size-weighted, scales and zeros included",
     "gemv_7b": f"decode GEMV time over the four quantized ops of a {GEMV_SHAPE} layer and its multiple of the "
-               f"bandwidth floor (ladder.gemv_timing.summary; cuda only, else 'no GPU')",
+               f"bandwidth floor (ladder.tools.gemv_timing.summary; cuda only, else 'no GPU')",
 }
 
 
@@ -219,14 +219,14 @@ def measure_model(subject: Subject, formats: list, progress) -> dict:
 
 
 def gemv_column(names: list[str], progress=None) -> dict:
-    """On a machine where the cuda backend runs: ladder/gemv_timing.py's rows for `names` at the 7B shape
+    """On a machine where the cuda backend runs: ladder/tools/gemv_timing.py's rows for `names` at the 7B shape
     (one per format and op) and its per-format summary over the four ops; elsewhere the reason."""
     from kernels.base import backend_available
 
     ok, why = backend_available("cuda")
     if not ok:
         return {"available": False, "why": why, "shape": GEMV_SHAPE, "rows": [], "summary": {}}
-    from ladder.gemv_timing import gemv_times, summary
+    from ladder.tools.gemv_timing import gemv_times, summary
 
     rows = gemv_times(formats=list(names), shape=GEMV_SHAPE, progress=progress)
     return {"available": True, "why": why, "shape": GEMV_SHAPE, "rows": rows,
@@ -235,7 +235,7 @@ def gemv_column(names: list[str], progress=None) -> dict:
 
 def gemv_cell(gemv: dict, name: str) -> str:
     """The table's GEMV cell: 'no GPU' off a GPU; on one, the format's time over the four ops of a 7B
-    layer and its multiple of the bandwidth floor (ladder/gemv_timing.py's summary), or WRONG where a kernel
+    layer and its multiple of the bandwidth floor (ladder/tools/gemv_timing.py's summary), or WRONG where a kernel
     failed its reference check before timing."""
     if not gemv["available"]:
         return "no GPU"

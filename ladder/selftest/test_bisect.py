@@ -1,4 +1,4 @@
-"""Unit rung: `nanoqwen bisect` finds the first red commit of a small throwaway repository.
+"""Self-test: `nanoqwen bisect` finds the first red commit of a small throwaway repository.
 
 Each repository is built in tmp_path (outside this checkout, so its pytest never sees our conftest):
 a package `pkg` with `add()`, and a test file whose `test_add` goes red at one commit. Its tests do not
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ladder.bisect import BAD, GOOD, SKIP, BisectError, bisect, failing_tests, selection_of, verdict
+from ladder.tools.bisect import BAD, GOOD, SKIP, BisectError, bisect, failing_tests, selection_of, verdict
 from engine.cli import build_parser
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

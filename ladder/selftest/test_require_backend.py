@@ -1,4 +1,4 @@
-"""Unit rung: a run that requires a backend this machine cannot run is refused before it starts.
+"""Self-test: a run that requires a backend this machine cannot run is refused before it starts.
 
 `--require-backend cuda` (or NANOQWEN_REQUIRE_GPU=1) where the cuda backend cannot run once ran the
 whole suite, failing every CUDA test one by one, for over 25 minutes. Now pytest (with and without

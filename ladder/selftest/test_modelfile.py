@@ -1,8 +1,8 @@
-"""Unit rung: the .nanoqwen file. Good files round-trip; every malformed case of the catalogue
+"""Self-test: the .nanoqwen file. Good files round-trip; every malformed case of the catalogue
 (fixtures/corrupt.py) raises its own ModelFileError subclass before a tensor is used, and the command
 line turns it into one line on stderr and exit status 2, never a traceback. A config the table cannot
 hold is refused before anything is built; loading thousands of times leaks no descriptor or map.
-(ladder/unit/test_fuzz_modelfile.py mutates files at random.)"""
+(ladder/selftest/test_fuzz_modelfile.py mutates files at random.)"""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Unit rung for the shipped default model, the tiny coder (fixtures/tiny_coder.py).
+"""Self-test of the shipped default model, the tiny coder (fixtures/tiny_coder.py).
 
 The artifact is what was trained, nothing else: its manifest's checksums match the shipped weights and
 held-out sources, every manifest field is present, the shape fits the issue's limits, the prompts file

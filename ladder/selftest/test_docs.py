@@ -1,4 +1,4 @@
-"""Unit rung: the repository is self-contained. Every document a file points to is in the repository,
+"""Self-test: the repository is self-contained. Every document a file points to is in the repository,
 every relative link in the Markdown resolves, and nothing cites a design note outside it.
 
 Users get the repository alone: a docstring that says "see X.md" must name a file they have.

@@ -1,4 +1,4 @@
-"""Unit rung: Hugging Face checkpoints convert, inspect and generate; bad folders are refused clearly.
+"""Self-test: Hugging Face checkpoints convert, inspect and generate; bad folders are refused clearly.
 
 Refused before any work: an output path that cannot be written, an input that cannot be read, and a
 checkpoint whose config values or safetensors entries or index have the wrong type (a typed error

@@ -57,7 +57,7 @@ try:
     with open(sys.argv[1]) as f:
         cfg = json.load(f)
     sys.path.insert(0, cfg["ladder_root"])
-    from ladder.bisect import _step_main
+    from ladder.tools.bisect import _step_main
     code = _step_main(cfg)
 except BaseException:
     traceback.print_exc()
@@ -276,7 +276,7 @@ def bisect(repo, good: str, bad: str = "HEAD", selection=None, backend: str | No
         check(bad_hash, "--bad", bad, BAD)
 
         cfg = {"worktree": str(wt), "repo": str(top), "selection": _selection(selection), "backend": backend,
-               "ladder_root": str(Path(__file__).resolve().parents[1])}
+               "ladder_root": str(Path(__file__).resolve().parents[2])}
         (tmp / "step.json").write_text(json.dumps(cfg))
         (tmp / "step.py").write_text(_STEP_SCRIPT)
         _git(wt, "bisect", "start", bad_hash, good_hash, "--")

@@ -1,4 +1,4 @@
-"""Unit rung: the product commands load only the product. `nanoqwen generate`, `convert` and `inspect`
+"""Self-test: the product commands load only the product. `nanoqwen generate`, `convert` and `inspect`
 run in a fresh interpreter, and afterwards no module of ladder/, bench/ or reference/ is loaded, nor of
 fixtures/ anything past the default model's lookup (and that only when no --model is named), nor torch,
 transformers or pytest. The other commands are found by name (engine/cli.py's COMMANDS) and imported

@@ -1,7 +1,7 @@
 """Mutants of the kernels' source: one small edit each, the rest of the file byte-identical.
 
 A mutant is the kind of slip a kernel engineer makes (a `<` for a `<=`, an `fp16` for an `fp32`, a
-missing barrier), written into one copy of one file. `nanoqwen mutate` (ladder/mutate.py) runs the rungs
+missing barrier), written into one copy of one file. `nanoqwen mutate` (ladder/tools/mutate.py) runs the rungs
 against each; a mutant the rungs pass "survived": the ladder could not tell that kernel from a broken
 one. This module only finds the mutation sites and makes the edits.
 
@@ -17,7 +17,7 @@ one. This module only finds the mutation sites and makes the edits.
 
 Every mutant has a `signature` that does not move when unrelated lines change: the file, the function
 it sits in, the original and the replacement text, and which occurrence of that text in that function
-it is. The reviewed list of equivalent mutants (ladder/equivalent_mutants.json) is keyed by it.
+it is. The reviewed list of equivalent mutants (ladder/tools/equivalent_mutants.json) is keyed by it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Unit rung: the ladder's report: merging rung results, coverage findings, and the baseline diff."""
+"""Self-test: the ladder's report: merging rung results, coverage findings, and the baseline diff."""
 
 from __future__ import annotations
 
