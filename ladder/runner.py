@@ -42,7 +42,7 @@ def rung_command(rung: str, out: Path, args, extra: list[str]) -> list[str]:
            "-p", "no:cacheprovider", "--strict-markers", "-q", "-ra",
            "--ladder-json", str(out / f"{rung}.json"),
            "--junitxml", str(out / f"junit-{rung}.xml"), "-o", "junit_family=xunit2"]
-    workers = worker_count(args)
+    workers = worker_count(args, rung)
     if workers != "0":  # a format's cases stay together on one worker (ladder/plugin.py marks the groups)
         cmd += ["-n", workers, "--dist", "loadgroup"]
     for opt in ("backend", "quant", "model", "prompts", "plant_fault", "hypothesis_profile", "new_tokens", "shard"):
@@ -56,10 +56,12 @@ def rung_command(rung: str, out: Path, args, extra: list[str]) -> list[str]:
     return cmd + extra
 
 
-def worker_count(args) -> str:
-    """`-n`: what the user gave; for `auto` with a device backend that runs here, the backend's own measured
-    choice (kernels/base.py test_workers: two per GPU on CUDA) instead of one per core."""
-    if args.workers != "auto":
+def worker_count(args, rung: str) -> str:
+    """`-n`: what the user gave; for `auto` with a device backend that runs here, the layer and graph rungs
+    take the backend's own measured choice (kernels/base.py test_workers: two per GPU on CUDA), whose cases
+    wait on the device, while the unit rung, whose time goes to float64 references on the host, keeps one
+    worker per core."""
+    if args.workers != "auto" or rung == "unit":
         return args.workers
     from kernels import backend_available, backend_class, backend_names, backend_needs_device
 

@@ -22,6 +22,7 @@ from fixtures.layer_cases import MODEL_CASES, SEVEN_B_CASES, LayerCase
 from fixtures.tiny_model import random_weights
 from ladder.blockrun import run_engine_block
 from ladder.compare import assert_close
+from ladder.opcheck import Recorder, first_op_over_its_bound, op_checks
 from reference.model import ref_block
 
 F16, F32 = np.float16, np.float32
@@ -59,21 +60,68 @@ class BlockUnderTest:
         return cls(config, quant, lambda name, dtype, shape: stored[name], weights, f"synthetic-{seed}")
 
 
-def check_block(backend, block: BlockUnderTest, case: LayerCase, ref_out, ref_k, ref_v, against: str):
+def check_block(backend, block: BlockUnderTest, case: LayerCase, ref_out, ref_k, ref_v, against: str, ops: bool = True):
+    """The block against the reference; with `ops`, also every op call inside it on its own activations
+    against its `ref_*` with the unit rung's tolerance (ladder/opcheck.py), so an op wrong by less than the
+    block's fp16 noise (fp16 accumulation) is red here and a red block names its op. Without `ops` (the 7B
+    shape, whose float64 op references take minutes on a host) the ops are checked only once the block
+    is red, to name the op."""
     case = case.resolve(block.config.num_hidden_layers)
     x = case.inputs(block.config.hidden_size)
-    out, k, v = run_engine_block(backend, block.config, block.quant, block.get, case, shuffle_seed=case.seed)
+    recorder = Recorder(backend) if ops else None
+    try:
+        if recorder:
+            recorder.on = True
+        out, k, v = run_engine_block(backend, block.config, block.quant, block.get, case, shuffle_seed=case.seed)
+    finally:
+        if recorder:
+            recorder.on = False
+            recorder.restore()
     p_out, p_k, p_v = ref_block(block.hf_config, block.weights, case.layer, x, np.arange(case.total),
                                 dtype=F32, storage=F16)
     label = f"{block.label} {case} vs {against}"
-    assert_close("block_output", out, ref_out, p_out, backend=backend.name, case=label, seed=case.seed, tol_op="layer")
-    assert_close("block_k_pages", k, ref_k, p_k.astype(F16), backend=backend.name, case=label, seed=case.seed, tol_op="layer_kv")
-    assert_close("block_v_pages", v, ref_v, p_v.astype(F16), backend=backend.name, case=label, seed=case.seed, tol_op="layer_kv")
+    try:
+        assert_close("block_output", out, ref_out, p_out, backend=backend.name, case=label, seed=case.seed, tol_op="layer")
+        assert_close("block_k_pages", k, ref_k, p_k.astype(F16), backend=backend.name, case=label, seed=case.seed,
+                     tol_op="layer_kv")
+        assert_close("block_v_pages", v, ref_v, p_v.astype(F16), backend=backend.name, case=label, seed=case.seed,
+                     tol_op="layer_kv")
+    except AssertionError as e:  # a red block: name the op inside it
+        raise AssertionError(f"{e}\n{culprit(backend, block, case, recorder)}") from None
+    if recorder:
+        first = first_op_over_its_bound(op_checks(recorder.calls, block.config, block.weights, case.layer))
+        if first is not None:
+            pytest.fail(f"{label} on backend {backend.name!r}: the block is within its bound, but "
+                        f"{_describe(first)}", pytrace=False)
     if backend.supports_graphs:  # the decode steps again, as one captured graph: equal to eager, bit for bit
         g_out, g_k, g_v = run_engine_block(backend, block.config, block.quant, block.get, case,
                                            shuffle_seed=case.seed, captured=True)
         for name, a, b in (("output", g_out, out), ("k", g_k, k), ("v", g_v, v)):
             assert np.array_equal(a, b, equal_nan=True), f"{label}: captured block {name} differs from eager"
+
+
+def _describe(first) -> str:
+    return (f"the first op over its bound inside the block is {first.name} (call {first.call}): max abs error "
+            f"{first.max_abs:.4g} > bound {first.bound:.4g}, {first.multiple:.3g}x its floor")
+
+
+def culprit(backend, block: BlockUnderTest, case: LayerCase, recorder=None) -> str:
+    """Every op call of the block checked on its own activations (ladder/opcheck.py; recorded again when
+    the run was not): the first op over its bound, in call order, or that none is (then the error is in
+    how they compose)."""
+    if recorder is None:
+        recorder = Recorder(backend)
+        recorder.on = True
+        try:
+            run_engine_block(backend, block.config, block.quant, block.get, case, shuffle_seed=case.seed)
+        finally:
+            recorder.on = False
+            recorder.restore()
+    checks = op_checks(recorder.calls, block.config, block.weights, case.layer)
+    first = first_op_over_its_bound(checks)
+    if first is None:
+        return f"inside the block, every one of its {len(checks)} op calls is within its own bound"
+    return _describe(first)
 
 
 @pytest.fixture(scope="session")
@@ -135,4 +183,4 @@ def test_block_at_the_exact_7b_shape(backend, quant_name, hf_block, case):
         pytest.skip("the 7B-shape block is a GPU case (minutes on a CPU backend)")
     block = BlockUnderTest.synthetic(SHAPES["qwen2.5-coder-7b"], seed=7, quant=quant_name)
     ref = hf_block(block.hf_config, block.weights, 0, case.inputs(block.config.hidden_size))
-    check_block(backend, block, case, *ref, against="HF Qwen2DecoderLayer")
+    check_block(backend, block, case, *ref, against="HF Qwen2DecoderLayer", ops=False)

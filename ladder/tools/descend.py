@@ -20,133 +20,21 @@ does. `--plant-fault` shows it at work on a known bug.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from engine.config import PAGE_SIZE, Qwen2Config
+from engine.config import PAGE_SIZE
 from engine.model import checked_config
 from engine.modelfile import ModelFile
 from fixtures.dequantized import dequantized_weights
 from fixtures.layer_cases import LayerCase
 from ladder.blockrun import run_engine_block
-from ladder.compare import measure
-from reference import ops as ref_ops
+from ladder.opcheck import Check, Recorder, check, first_op_over_its_bound, op_checks  # noqa: F401 (Check: the API)
 from reference.model import ref_block
 
 F16, F32 = np.float16, np.float32
 PAGE = PAGE_SIZE
-
-
-@dataclass
-class Check:
-    """One comparison: where, the error, its floor and the bound TOL gives."""
-
-    name: str
-    max_abs: float
-    floor: float
-    bound: float
-    where: tuple = ()
-    call: int | None = None  # for an op: its index among the layer's recorded calls
-
-    @property
-    def multiple(self) -> float:
-        return self.max_abs / self.floor if self.floor > 0 else (0.0 if self.max_abs == 0 else float("inf"))
-
-    @property
-    def diverged(self) -> bool:
-        return not self.max_abs <= self.bound  # NaN diverges
-
-    def as_dict(self) -> dict:
-        return {"name": self.name, "max_abs": self.max_abs, "floor": self.floor, "bound": self.bound,
-                "multiple": self.multiple, "diverged": self.diverged, "where": list(self.where), "call": self.call}
-
-
-def check(name: str, out, ref, plain, tol_key: tuple[str, str], call: int | None = None) -> Check:
-    m = measure(out, ref, plain, tol_key)
-    return Check(name, m["max_abs"], m["floor"], m["bound"], m["where"], call)
-
-
-# --- op-level checks on recorded calls ----------------------------------------------------------
-
-
-class Recorder:
-    """Wraps the ops of one Backend object: while `on`, every call's inputs (before) and outputs
-    (after) are copied to the host."""
-
-    OPS = ("rmsnorm", "qkv_proj", "rope_kv_write", "attention_prefill", "attention_decode",
-           "o_proj_residual", "gate_up_silu", "down_residual")
-
-    def __init__(self, backend):
-        self.backend, self.on, self.calls = backend, False, []
-        for op in self.OPS:
-            setattr(backend, op, self._wrap(op, getattr(backend, op)))
-
-    def _host(self, a):
-        if isinstance(a, (int, float, str)) or a is None or hasattr(a, "tensors"):
-            return a
-        return np.array(self.backend.to_numpy(a), copy=True)
-
-    def _wrap(self, op, inner):
-        def recorded(*args):
-            if not self.on:
-                return inner(*args)
-            before = [self._host(a) for a in args]
-            result = inner(*args)
-            self.backend.synchronize()
-            self.calls.append((op, before, [self._host(a) for a in args]))
-            return result
-        return recorded
-
-
-def op_checks(calls, config: Qwen2Config, w: dict, layer: int) -> list[Check]:
-    """Each recorded op call against its reference on the same inputs, in call order."""
-    p = f"model.layers.{layer}."
-    W = {k[len(p):]: v for k, v in w.items() if k.startswith(p)}
-    qkv_w = np.concatenate([W[f"self_attn.{x}_proj.weight"] for x in "qkv"])
-    qkv_b = np.concatenate([W[f"self_attn.{x}_proj.bias"] for x in "qkv"])
-    gate, up = W["mlp.gate_proj.weight"], W["mlp.up_proj.weight"]
-    nq, nkv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    out: list[Check] = []
-    norms = 0
-    for i, (op, before, after) in enumerate(calls):
-        label = op
-        if op == "rmsnorm":
-            x, weight, eps = before[0], before[1], before[2]
-            name = "input_layernorm" if norms % 2 == 0 else "post_attention_layernorm"
-            norms += 1
-            out.append(check(f"{label} ({name})", after[3], ref_ops.ref_rmsnorm(x, weight, eps),
-                             ref_ops.ref_rmsnorm(x, weight, eps, dtype=F32).astype(F16), ("rmsnorm", "float16"), i))
-        elif op == "qkv_proj":
-            x = before[0]
-            out.append(check(label, after[3], ref_ops.ref_linear(x, qkv_w, qkv_b),
-                             ref_ops.ref_linear(x, qkv_w, qkv_b, dtype=F32).astype(F16), ("qkv_proj", "float16"), i))
-        elif op == "rope_kv_write":
-            qkv, pos, table, theta = before[0], before[1], before[4], before[5]
-            T = qkv.shape[0]
-            q_in = qkv[:, : nq * d].reshape(T, nq, d)
-            k_in = qkv[:, nq * d: (nq + nkv) * d].reshape(T, nkv, d)
-            out.append(check(f"{label} (q)", after[6], ref_ops.ref_rope(q_in, pos, theta),
-                             ref_ops.ref_rope(q_in, pos, theta, dtype=F32).astype(F16), ("rope_kv_write", "float16"), i))
-            k_pages = after[2]
-            k_written = np.stack([k_pages[table[t // PAGE], :, t % PAGE] for t in pos])
-            out.append(check(f"{label} (k)", k_written, ref_ops.ref_rope(k_in, pos, theta),
-                             ref_ops.ref_rope(k_in, pos, theta, dtype=F32).astype(F16), ("rope_kv_write", "float16"), i))
-        elif op in ("attention_prefill", "attention_decode"):
-            q, kp, vp, table, pos = before[:5]
-            out.append(check(label, after[5], ref_ops.ref_paged_attention(q, kp, vp, table, pos),
-                             ref_ops.ref_paged_attention(q, kp, vp, table, pos, dtype=F32).astype(F16), ("attention", "float16"), i))
-        elif op in ("o_proj_residual", "down_residual"):
-            x, resid = before[0], before[2]
-            wt = W["self_attn.o_proj.weight"] if op == "o_proj_residual" else W["mlp.down_proj.weight"]
-            out.append(check(label, after[2], resid + ref_ops.ref_linear(x, wt), resid + ref_ops.ref_linear(x, wt, dtype=F32),
-                             (op, "float32"), i))
-        elif op == "gate_up_silu":
-            x = before[0]
-            out.append(check(label, after[2], ref_ops.ref_gate_up_silu(x, gate, up),
-                             ref_ops.ref_gate_up_silu(x, gate, up, dtype=F32).astype(F16), ("gate_up_silu", "float16"), i))
-    return out
 
 
 # --- the walk -----------------------------------------------------------------------------------
@@ -197,7 +85,7 @@ def descend(model_path, ids, backend_name: str = "numpy", decode_steps: int | No
         if first is None and (c.diverged or bad_ops):
             first = layer
     ops = ops_by_layer[first] if first is not None else []
-    first_op = next((c for c in ops if c.diverged), None)  # in call order: the earliest wrong op
+    first_op = first_op_over_its_bound(ops)
     return {"model": str(model_path), "backend": backend_name, "prompt_len": T, "decode_steps": steps,
             "plant_fault": plant_fault, "layers": [c.as_dict() for c in layers], "first_layer": first,
             "layer_diverged": bool(first is not None and layers[first].diverged),
