@@ -101,17 +101,35 @@ def hf_logits(model, ids) -> np.ndarray:
     return out.logits[0].float().numpy()
 
 
+GPU_BLOCK_HIDDEN = 2048  # from this hidden size on, a block's reference runs on a GPU where torch has one
+
+
+def reference_device(config: dict) -> str:
+    """Where a block's float32 reference runs: "cuda" for a large block (the 7B shape: 14 s on 2 host cores,
+    milliseconds on a GPU) when torch sees a GPU, else "cpu". Float32 either way, TF32 off: another order of
+    float32 sums, well inside the fp16 noise the rung's floor measures."""
+    torch = _torch()
+    if config["hidden_size"] >= GPU_BLOCK_HIDDEN and torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        return "cuda"
+    return "cpu"
+
+
 def hf_block_outputs(config: dict, weights: dict, layer: int, x: np.ndarray):
     """Run transformers' Qwen2DecoderLayer (float32, eager, causal) over x [T, H] at positions 0..T-1.
 
     Returns (output [T, H], k [T, nkv, d] after RoPE, v [T, nkv, d]) as float64 arrays. K and V are
     what HF's own attention uses: the k_proj/v_proj outputs caught by forward hooks, with k rotated by
-    transformers' `apply_rotary_pos_emb` and the same cos/sin the layer receives.
+    transformers' `apply_rotary_pos_emb` and the same cos/sin the layer receives. A large block runs on
+    the GPU when there is one (`reference_device`).
     """
     torch = _torch()
     from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
 
+    device = reference_device(config)
     block, rope = hf_decoder_layer(config, weights, layer)
+    block, rope = block.to(device), rope.to(device)
     nq, nkv = config["num_attention_heads"], config["num_key_value_heads"]
     d = config["hidden_size"] // nq
     T = x.shape[0]
@@ -120,10 +138,10 @@ def hf_block_outputs(config: dict, weights: dict, layer: int, x: np.ndarray):
         lambda mod, inp, out, name=name: caught.__setitem__(name, out.detach())) for name in ("k_proj", "v_proj")]
     try:
         with torch.no_grad():
-            hidden = torch.from_numpy(np.asarray(x, dtype=np.float32))[None]  # [1, T, H]
-            position_ids = torch.arange(T)[None]
+            hidden = torch.from_numpy(np.asarray(x, dtype=np.float32))[None].to(device)  # [1, T, H]
+            position_ids = torch.arange(T, device=device)[None]
             cos, sin = rope(hidden, position_ids)
-            mask = torch.full((T, T), float("-inf")).triu(1)[None, None]  # [1, 1, T, T] additive causal mask
+            mask = torch.full((T, T), float("-inf"), device=device).triu(1)[None, None]  # [1, 1, T, T] additive causal mask
             out = block(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=(cos, sin))
             out = out[0] if isinstance(out, tuple) else out
             k = caught["k_proj"].view(1, T, nkv, d).transpose(1, 2)  # [1, nkv, T, d], HF's layout
@@ -132,7 +150,7 @@ def hf_block_outputs(config: dict, weights: dict, layer: int, x: np.ndarray):
     finally:
         for h in hooks:
             h.remove()
-    return (out[0].double().numpy(), k[0].transpose(0, 1).double().numpy(), v[0].double().numpy())
+    return (out[0].double().cpu().numpy(), k[0].transpose(0, 1).double().cpu().numpy(), v[0].double().cpu().numpy())
 
 
 def hf_layer_states(model, ids) -> list[tuple[np.ndarray, np.ndarray]]:

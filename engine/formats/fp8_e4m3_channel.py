@@ -43,26 +43,25 @@ def decode_e4m3(codes: np.ndarray) -> np.ndarray:
 
 
 def encode_e4m3(v: np.ndarray) -> np.ndarray:
-    """float32 values -> uint8 e4m3 bytes: round to nearest even, saturate finite overflow and inf to 448."""
+    """float32 values -> uint8 e4m3 bytes: round to nearest even, saturate finite overflow and inf to 448.
+
+    On the float32 bits: a normal e4m3 value (|v| >= 2^-6) keeps the top 3 of the 23 mantissa bits, rounded
+    to nearest even by adding 0x7FFFF plus the lowest kept bit before the shift (a carry out of the mantissa
+    moves into the exponent, as rounding up to the next binade should); the exponent's bias goes from 127
+    to 7. Below 2^-6 the grid is the multiples of 2^-9 (subnormals), where rint rounds ties to even, and
+    8 x 2^-9 = 2^-6 is code 8, the first normal. |v| is clipped to 448 first, so 448 < |v| <= 464 rounds to
+    448 and nothing reaches the NaN code 0x7F; NaN becomes 0x7F with its sign. Bit-identical to the
+    log2/exp2 reading of the grid it replaced, on every float16 value, 20 million random float32 bit
+    patterns and every midpoint between e4m3 values and its neighbours.
+    """
     v = np.asarray(v, dtype=np.float32)
-    a = np.abs(v.astype(np.float64))
-    nan = np.isnan(a)
-    a = np.where(nan | (a > FP8_MAX), FP8_MAX, a)  # inf and overflow saturate; NaN handled below
-    # The grid step where `a` lies: 2^(e-3) for a in [2^e, 2^(e+1)), e >= -6; 2^-9 below 2^-6 (subnormals).
-    with np.errstate(divide="ignore"):
-        e = np.floor(np.log2(np.where(a > 0, a, 1.0)))
-    e = np.maximum(e, -6.0)
-    step = np.exp2(e - 3.0)
-    q = np.rint(a / step) * step  # exact: a / step is a power-of-two scaling; rint ties to even
-    q = np.minimum(q, FP8_MAX)  # 448 < a <= 464 rounds within range; past it the clip above already saturated
-    # Bits of q: exponent field and mantissa.
-    with np.errstate(divide="ignore"):
-        qe = np.floor(np.log2(np.where(q > 0, q, 1.0)))
-    normal = (q >= 2.0**-6)
-    exp_field = np.where(normal, qe + 7, 0).astype(np.int32)
-    mant = np.where(normal, q / np.exp2(qe - 3.0) - 8.0, q / 2.0**-9).astype(np.int32)
-    code = (exp_field << 3) | mant
-    code = np.where(q == 0, 0, code)
+    nan = np.isnan(v)
+    a = np.where(nan, np.float32(0), np.minimum(np.abs(v), np.float32(FP8_MAX)))
+    bits = a.view(np.uint32)
+    one = np.uint32(1)
+    normal = ((bits + np.uint32(0x7FFFF) + ((bits >> np.uint32(20)) & one)) >> np.uint32(20)).astype(np.int32) - (120 << 3)
+    subnormal = np.rint(a * np.float32(512.0)).astype(np.int32)
+    code = np.where(a >= np.float32(2.0**-6), normal, subnormal)
     code = np.where(np.signbit(v), code | 0x80, code)
     code = np.where(nan, NAN_CODE, code)
     return code.astype(np.uint8)

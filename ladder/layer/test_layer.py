@@ -45,7 +45,7 @@ class BlockUnderTest:
     def synthetic(cls, config: Qwen2Config, seed: int, quant: str = DEFAULT_FORMAT) -> "BlockUnderTest":
         """Seeded random weights of any shape, quantized with `quant` (one layer)."""
         fmt = get_format(quant)
-        config = config.replace(num_hidden_layers=1)
+        config = config.replace(num_hidden_layers=1, vocab_size=128)  # the block alone: no 7B embedding to draw
         raw = {k: v for k, v in random_weights(config, seed).items() if k.startswith("model.layers.0.")}
         stored, weights = {}, {}
         for name, w in raw.items():
