@@ -58,7 +58,7 @@ def rung_command(rung: str, out: Path, args, extra: list[str]) -> list[str]:
 
 def worker_count(args, rung: str) -> str:
     """`-n`: what the user gave; for `auto` with a device backend that runs here, the layer and graph rungs
-    take the backend's own measured choice (kernels/base.py test_workers: two per GPU on CUDA), whose cases
+    take the backend's own measured choice (kernels/base.py test_workers: four per GPU on CUDA), whose cases
     wait on the device, while the unit rung, whose time goes to float64 references on the host, keeps one
     worker per core."""
     if args.workers != "auto" or rung == "unit":
