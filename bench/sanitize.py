@@ -1,11 +1,13 @@
-"""Run the CUDA backend's ops under compute-sanitizer (memcheck, racecheck), after proving it can see.
+"""Run the CUDA backend's ops under compute-sanitizer (memcheck, racecheck, initcheck), after proving it
+can see.
 
-    python3 -m bench.sanitize        (from the repository root)
+    python3 -m bench.sanitize [--tools memcheck,racecheck,initcheck]     (from the repository root)
 
 First two planted kernels must be flagged, or the script fails (a blind sanitizer cannot pass):
   - `planted_oob`: each thread writes one element past the end of its array (memcheck);
   - `planted_divergent_barrier`: a __syncthreads inside a warp-divergent branch, and a shared-memory
-    read of a value another warp wrote with no barrier between them (racecheck).
+    read of a value another warp wrote with no barrier between them (racecheck);
+  - `planted_uninit`: a read of device memory nothing wrote (initcheck).
 Then every op of the backend at small shapes (the quantized linears' GEMV and prefill paths in every
 format the backend has a launcher for, each GEMV in its default variant; split-K attention with
 NaN-filled free pages, RoPE page writes, lm_head, argmax), through the unit rung's checks
@@ -39,7 +41,13 @@ extern "C" __global__ void planted_divergent_barrier(float* out) {
     if (t < 16) __syncthreads();  // planted: a barrier inside a warp-divergent branch
     out[t] = s[63 - t];           // reads what the other warp wrote, with no barrier between
 }
+
+extern "C" __global__ void planted_uninit(const float* never_written, float* out) {
+    out[threadIdx.x] = never_written[threadIdx.x];  // planted: the input was allocated, never written
+}
 """
+PLANTED = {"memcheck": "planted_oob", "racecheck": "planted_divergent_barrier", "initcheck": "planted_uninit"}
+TOOLS = tuple(PLANTED)
 
 
 def find_sanitizer() -> str | None:
@@ -65,11 +73,14 @@ def child(what: str) -> None:
 
     cp.cuda.set_allocator(None)
     cp.cuda.set_pinned_memory_allocator(None)
-    if what in ("planted_oob", "planted_divergent_barrier"):
+    if what in PLANTED.values():
         mod = cp.RawModule(code=PLANTED_SRC, options=("-std=c++17", "--gpu-architecture=sm_90"))
         if what == "planted_oob":
             a = cp.zeros(256, dtype=cp.float32)
             mod.get_function("planted_oob")((1,), (256,), (a, np.int32(256)))
+        elif what == "planted_uninit":
+            out = cp.zeros(64, dtype=cp.float32)
+            mod.get_function("planted_uninit")((1,), (64,), (cp.empty(64, dtype=cp.float32), out))
         else:
             out = cp.zeros(64, dtype=cp.float32)
             mod.get_function("planted_divergent_barrier")((1,), (64,), (out,))
@@ -143,13 +154,20 @@ def main() -> int:
     if len(sys.argv) == 3 and sys.argv[1] == "--child":
         child(sys.argv[2])
         return 0
+    tools = TOOLS
+    if len(sys.argv) == 3 and sys.argv[1] == "--tools":
+        tools = tuple(t for t in sys.argv[2].split(",") if t)
+        unknown = [t for t in tools if t not in PLANTED]
+        if unknown:
+            print(f"FAIL: unknown tool(s) {', '.join(unknown)}; known: {', '.join(TOOLS)}")
+            return 2
     sanitizer = find_sanitizer()
     if sanitizer is None:
         print("FAIL: compute-sanitizer not found (looked on PATH, CUDA_HOME, CUDA_PATH, /usr/local/cuda, beside nvcc)")
         return 2
     print(f"compute-sanitizer: {sanitizer}")
     ok = True
-    for tool, what in (("memcheck", "planted_oob"), ("racecheck", "planted_divergent_barrier")):
+    for tool, what in ((t, PLANTED[t]) for t in tools):
         rc, out = run_under(sanitizer, tool, what)
         # compute-sanitizer exits with ERROR_EXIT when it reported something; the summary line says so too
         m = re.search(r"(?:ERROR SUMMARY: (\d+) error|RACECHECK SUMMARY: (\d+) hazard)", out)
@@ -161,7 +179,7 @@ def main() -> int:
     if not ok:
         print("FAIL: the sanitizer missed a planted bug; its verdict on the real kernels would mean nothing")
         return 1
-    for tool in ("memcheck", "racecheck"):
+    for tool in tools:
         rc, out = run_under(sanitizer, tool, "ops")
         clean = rc == 0 and "SANITIZE-CHILD-DONE" in out
         ok &= clean
