@@ -24,7 +24,7 @@ from ladder.shards import ShardError, merge_rung_data, parse_shard, shard_of
 
 REPO = Path(__file__).resolve().parents[2]
 EXE = shutil.which("nanoqwen")
-SELECTION = "rmsnorm or embed or block or heldout-00 or flat"  # unit + layer + graph cases, small
+SELECTION = "rmsnorm or embed or block or heldout-000 or heldout-001 or heldout-002 or heldout-003 or flat"  # unit + layer + graph cases, small
 
 
 def nanoqwen(*args: str, cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess:
