@@ -153,6 +153,16 @@ def test_a_planted_fault_fails_on_every_model(m):
     assert any("FAIL" in r.describe() for r in results)
 
 
+def test_a_near_uniform_model_is_refused_as_unjudgeable():
+    """A model whose logits barely vary (the lm_head's logit scale 1e-6: a random init with near-uniform
+    outputs) has an allowed difference as large as the spread of its logits: no check can judge it."""
+    c = case("0.5b", 1e-6)
+    assert not c.bounds.judgeable and c.bounds.allowed_per_spread > 0.5, c.bounds.describe()
+    text = c.bounds.refusal()
+    assert "no check can tell them apart" in text and f"{c.bounds.max_logit_diff:.4g}" in text
+    assert case("0.5b", 1.0).bounds.judgeable, "a model with logits of unit spread is judged"
+
+
 # --- a model like a real one: a trained LM's margins ------------------------------------------------
 
 TRAINED_LENGTHS = (1, 3, 9, 15, 16, 17, 30, 33, 47, 64)  # inside, at and past the first page edges
