@@ -88,6 +88,8 @@ def load_or_derive(key: str, derive: Callable[[], GraphBounds], poll: float = 0.
         try:
             os.write(fd, f"{os.getpid()} {socket.gethostname()}".encode())
             os.close(fd)
+            if path.exists():  # kept by a process that held the lock between our look and our lock
+                return GraphBounds.from_record(json.loads(path.read_text()))
             bounds = derive()
             tmp = root / f".{key}.{os.getpid()}.tmp"
             tmp.write_text(json.dumps(bounds.record()))
