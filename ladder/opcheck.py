@@ -6,6 +6,7 @@ block goes red (an op can also be wrong by less than a block's fp16 noise and st
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -87,6 +88,18 @@ class Recorder:
             self.calls.append((op, before, [self._host(a) for a in args]))
             return result
         return recorded
+
+
+@contextlib.contextmanager
+def recording(backend):
+    """A Recorder on `backend` for the block of the `with`, taken off again after it (even on an error)."""
+    recorder = Recorder(backend)
+    recorder.on = True
+    try:
+        yield recorder
+    finally:
+        recorder.on = False
+        recorder.restore()
 
 
 def op_checks(calls, config: Qwen2Config, w: dict, layer: int) -> list[Check]:

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from kernels import OPS
+from ladder.tolerances import MAX_ALLOWED_PER_SPREAD
 
 BASELINE_GROWTH = 1.5  # an op's worst multiple of its noise floor may grow this much before it is flagged
 SLOWEST = 15  # the slowest tests over all rungs, in report.json and report.md
@@ -170,7 +171,7 @@ def _graph_markdown(g: dict) -> list[str]:
                   f"- at the floor prompts' {b.get('floor_close', 0)} close positions (reference margin under the "
                   f"epsilon) the plain forward flips {b.get('floor_flips', 0)}",
                   f"- allowed difference / spread of the logits {b['max_logit_diff'] / b['spread'] if b.get('spread') else 0:.3g} "
-                  f"(a model over {_max_per_spread():g} is refused: no check could judge it)"]
+                  f"(a model over {MAX_ALLOWED_PER_SPREAD:g} is refused: no check could judge it)"]
     for s in g.get("backends", []):
         if s.get("prompt_ids"):
             lines += ["", f"Prompts compared on {s['backend']} ({len(s['prompt_ids'])}): "
@@ -187,12 +188,6 @@ def _graph_markdown(g: dict) -> list[str]:
         if len(ties) > 20:
             lines.append(f"- ... and {len(ties) - 20} more")
     return lines
-
-
-def _max_per_spread() -> float:
-    from ladder.tolerances import MAX_ALLOWED_PER_SPREAD
-
-    return MAX_ALLOWED_PER_SPREAD
 
 
 def write(folder: Path, report: dict) -> None:

@@ -39,7 +39,7 @@ Stop ids are ignored: both sides generate exactly `n_new` tokens (`new_tokens_fo
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
@@ -214,13 +214,10 @@ def bounds_from_floor(floor: float, ref_scale: float, floor_q999: float | None =
                        float(spread))
 
 
-def derive_bounds(config: dict, weights: dict, runs, statistic: str = "max") -> GraphBounds:
+def derive_bounds(config: dict, weights: dict, runs) -> GraphBounds:
     """The bounds of one model from its floor, measured on `runs`: (prompt id, prompt ids, Reference)
-    triples (the floor prompts, each with the HF simulation's greedy run on it).
-
-    `statistic` picks the floor: "max" (the rung's rule) or "q999" (the 99.9th percentile; only for
-    bench/graph_bounds.py, which shows what the choice does to the smallest error the rung catches)."""
-    return bounds_from_measurement(measure_floor(config, weights, runs), statistic)
+    triples (the floor prompts, each with the HF simulation's greedy run on it)."""
+    return bounds_from_measurement(measure_floor(config, weights, runs))
 
 
 @dataclass
@@ -256,14 +253,16 @@ def measure_floor(config: dict, weights: dict, runs) -> FloorMeasurement:
 
 
 def bounds_from_measurement(m: FloorMeasurement, statistic: str = "max") -> GraphBounds:
+    """The bounds a floor measurement implies. `statistic` picks the floor: "max" (the rung's rule) or
+    "q999" (the 99.9th percentile; bench/graph_bounds.py shows what the choice does to the smallest
+    error the rung catches)."""
     if statistic not in ("max", "q999"):
         raise ValueError(f"floor statistic {statistic!r}: expected 'max' or 'q999'")
     q999 = float(np.quantile(m.diffs, 0.999))
     floor = float(m.diffs.max()) if statistic == "max" else q999
     b = bounds_from_floor(floor, m.ref_scale, q999, m.prompts, len(m.margins), spread=m.spread)
-    close = m.margins < b.eps
-    return GraphBounds(**{**asdict(b), "prompts": b.prompts, "floor_close": int(close.sum()),
-                          "floor_flips": int((close & m.plain_flipped).sum())})
+    close = m.margins < b.eps  # under the epsilon the floor itself derives
+    return replace(b, floor_close=int(close.sum()), floor_flips=int((close & m.plain_flipped).sum()))
 
 
 # --- the comparison ---------------------------------------------------------------------------------

@@ -10,6 +10,8 @@ precision contract's fp16 storage points) against the same reference: TOL[("laye
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -22,7 +24,7 @@ from fixtures.layer_cases import MODEL_CASES, SEVEN_B_CASES, LayerCase
 from fixtures.tiny_model import random_weights
 from ladder.blockrun import run_engine_block
 from ladder.compare import assert_close
-from ladder.opcheck import Recorder, first_op_over_its_bound, op_checks
+from ladder.opcheck import first_op_over_its_bound, op_checks, recording
 from reference.model import ref_block
 
 F16, F32 = np.float16, np.float32
@@ -68,15 +70,8 @@ def check_block(backend, block: BlockUnderTest, case: LayerCase, ref_out, ref_k,
     is red, to name the op."""
     case = case.resolve(block.config.num_hidden_layers)
     x = case.inputs(block.config.hidden_size)
-    recorder = Recorder(backend) if ops else None
-    try:
-        if recorder:
-            recorder.on = True
+    with recording(backend) if ops else contextlib.nullcontext() as recorder:
         out, k, v = run_engine_block(backend, block.config, block.quant, block.get, case, shuffle_seed=case.seed)
-    finally:
-        if recorder:
-            recorder.on = False
-            recorder.restore()
     p_out, p_k, p_v = ref_block(block.hf_config, block.weights, case.layer, x, np.arange(case.total),
                                 dtype=F32, storage=F16)
     label = f"{block.label} {case} vs {against}"
@@ -110,13 +105,8 @@ def culprit(backend, block: BlockUnderTest, case: LayerCase, recorder=None) -> s
     the run was not): the first op over its bound, in call order, or that none is (then the error is in
     how they compose)."""
     if recorder is None:
-        recorder = Recorder(backend)
-        recorder.on = True
-        try:
+        with recording(backend) as recorder:
             run_engine_block(backend, block.config, block.quant, block.get, case, shuffle_seed=case.seed)
-        finally:
-            recorder.on = False
-            recorder.restore()
     checks = op_checks(recorder.calls, block.config, block.weights, case.layer)
     first = first_op_over_its_bound(checks)
     if first is None:
