@@ -161,6 +161,23 @@ class Backend(abc.ABC):
         device, from the token argmax picked (the graph loop's glue)."""
 
 
+# --- observing launches ---------------------------------------------------------------------------------
+
+# A device backend whose kernels are launched by name reports each launch here while an observer is set
+# (the ladder's launch map, ladder/launches.py): the set receives "<backend folder>::<entry point>".
+_launch_observer: set | None = None
+
+
+def observe_launches(sink: set | None) -> None:
+    """Set (or, with None, clear) the set that device kernel launches are reported into."""
+    global _launch_observer
+    _launch_observer = sink
+
+
+def launch_observer() -> set | None:
+    return _launch_observer
+
+
 # --- the registry --------------------------------------------------------------------------------
 
 

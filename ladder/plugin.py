@@ -92,6 +92,11 @@ def pytest_addoption(parser):
                 help="graph rung: skip the three-run determinism test (slow machines)")
     g.addoption("--shard", default=None, metavar="I/N",
                 help="run shard I of N of the collected tests (a stable hash of each node id: ladder/shards.py)")
+    g.addoption("--record-launches", action="store_true",
+                help="record the kernel code each case launches (the launch map, ladder/launches.py)")
+    g.addoption("--launching", default=None, metavar="FILE",
+                help="run only the cases that launch the kernel code FILE names (a case the map does not know "
+                     "runs too); written by nanoqwen ladder --changed and nanoqwen mutate")
 
 
 def _positive_int(text: str) -> int:
@@ -193,6 +198,11 @@ def pytest_configure(config):
             raise pytest.UsageError(str(e)) from None
     selected_formats(config)
     attach(config)
+    if config.getoption("--record-launches"):
+        from ladder.launches import CaseLaunches, start
+
+        start()
+        config.pluginmanager.register(CaseLaunches(), "nanoqwen-launches")
     if not is_worker(config):
         _share_cores(config)
         _warm_up_backends(config)
@@ -272,6 +282,13 @@ def pytest_collection_modifyitems(config, items):
         except ShardError as e:
             raise pytest.UsageError(str(e)) from None
         kept, dropped = select(items, index, count)
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+    if config.getoption("--launching"):
+        from ladder.launches import read_selection, split
+
+        kept, dropped = split(items, *read_selection(config.getoption("--launching")))
         if dropped:
             config.hook.pytest_deselected(items=dropped)
         items[:] = kept

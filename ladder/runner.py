@@ -11,7 +11,8 @@ pyproject.toml) changes it: the project's settings travel on its command line an
 
     nanoqwen ladder [--model FILE|HF_DIR] [--prompts FILE] [--backend B] [--rungs unit,layer,graph]
                     [--keep-going] [--report DIR] [--baseline DIR] [--coverage] [--plant-fault NAME[@LAYER]]
-                    [--new-tokens N] [--skip-determinism] [--shard I/N] [-n WORKERS] [-- EXTRA PYTEST ARGS]
+                    [--new-tokens N] [--skip-determinism] [--shard I/N] [--changed REV] [--record-launches]
+                    [-n WORKERS] [-- EXTRA PYTEST ARGS]
     nanoqwen ladder merge REPORT... [--report DIR] [--baseline DIR] [--coverage]
 """
 
@@ -51,6 +52,7 @@ def rung_command(rung: str, out: Path, args, extra: list[str]) -> list[str]:
             cmd += [f"--{opt.replace('_', '-')}", str(value)]
     if args.require_backend:
         cmd += ["--require-backend", args.require_backend]
+    cmd += getattr(args, "launch_flags", [])
     if getattr(args, "skip_determinism", False):
         cmd += ["--skip-determinism"]
     return cmd + extra
@@ -176,6 +178,7 @@ def cmd_ladder(args) -> int:
     check_output_folder(out)
     out.mkdir(parents=True, exist_ok=True)
 
+    launch_map = plan_launches(args, out)
     env = rung_environment()
     results, started = {}, datetime.datetime.now().isoformat(timespec="seconds")
     failed = False
@@ -189,6 +192,9 @@ def cmd_ladder(args) -> int:
         ran = sum(data.get("rungs", {}).get(rung, {}).values()) if data else 0
         if args.shard and data and ran == 0 and code in (0, 5):
             code = 0  # this shard holds none of the rung's tests; `ladder merge` fails a rung empty in every shard
+        elif args.changed and data and ran == 0 and code in (0, 5):
+            print(f"nanoqwen: rung {rung}: no case of it launches the code changed since {args.changed}")
+            code = 0
         elif code == 5 or ran == 0:  # pytest's "no tests collected", or a run that wrote no result
             print(f"nanoqwen: rung {rung} collected no test" + ("" if data else f" (no {rung_json.name} written)"),
                   file=sys.stderr)
@@ -199,8 +205,10 @@ def cmd_ladder(args) -> int:
             if not args.keep_going:
                 print(f"nanoqwen: rung {rung} is red; stopping (--keep-going runs the rest)", file=sys.stderr)
                 break
+    if launch_map is not None:
+        keep_launches(results, out, launch_map)
     meta = {"model": args.model or "default", "backends": [args.backend or "auto"], "formats": formats, "started": started,
-            "plant_fault": args.plant_fault, "argv": sys.argv[1:], "shard": args.shard}
+            "plant_fault": args.plant_fault, "argv": sys.argv[1:], "shard": args.shard, "changed": args.changed}
     # coverage is judged on a whole ladder: not on a subset of rungs, nor on a shard (its calls are partial)
     rep, failed = ladder_report.conclude(results, meta, out, failed, baseline,
                                          require_coverage=args.coverage and len(rungs) == len(RUNGS) and not args.shard)
@@ -209,7 +217,56 @@ def cmd_ladder(args) -> int:
     return 1 if failed else 0
 
 
-_RUN_ONLY = ("model", "prompts", "plant_fault", "shard", "require_backend", "backend", "hypothesis_profile", "new_tokens")
+def plan_launches(args, out: Path) -> Path | None:
+    """The rungs' launch-map flags (ladder/launches.py), set on `args.launch_flags`; returns the kept map's
+    file when this run records one. The map is recorded where that costs nothing (CUDA launches; NumPy on
+    Python 3.12+), with --record-launches, and when --changed finds none to read. With --changed REV
+    the rungs run only the cases that launch kernel code changed since REV."""
+    from kernels import backend_names
+    from ladder import launches
+
+    backends = backend_names() if args.backend in (None, "all") else [args.backend]
+    free = launches.recording_is_free() or "numpy" not in backends
+    record = args.record_launches or free
+    path = launches.map_file(args.backend or "all", f"{args.model}|{args.prompts}|{args.quant}")
+    args.launch_flags = []
+    if args.changed:
+        try:
+            patterns, what = launches.changed_patterns(args.changed)
+        except launches.ChangeError as e:
+            raise LadderArgumentError(f"--changed {args.changed}: {e}") from None
+        known = launches.load_map(path)
+        if patterns is None:
+            print(f"--changed {args.changed}: {what[0]} changed, outside the kernels: every case runs")
+        elif known is None:
+            record = True
+            print(f"--changed {args.changed}: no launch map for this backend and model yet: every case runs, "
+                  f"and this run records one")
+        else:
+            launches.write_selection(out / "launching.json", patterns, known)
+            chosen = len(launches.select(known, patterns))
+            print(f"--changed {args.changed}: {len(what)} kernel function(s) changed "
+                  f"({', '.join(what[:4])}{', ...' if len(what) > 4 else ''}); {chosen} of {len(known)} known cases "
+                  f"launch them, and cases the map does not know run too")
+            args.launch_flags += ["--launching", str(out / "launching.json")]
+    if record and not args.plant_fault:
+        args.launch_flags.append("--record-launches")
+        return path
+    return None
+
+
+def keep_launches(results: dict, out: Path, path: Path) -> None:
+    """The rungs' launch maps into the report folder (launches.json) and the kept map of this backend and model."""
+    from ladder import launches
+
+    cases = {n: u for r in results.values() for n, u in r.pop("launches", {}).items()}
+    if cases:
+        (out / "launches.json").write_text(json.dumps(cases, indent=0))
+        launches.keep_map(path, cases)
+
+
+_RUN_ONLY = ("model", "prompts", "plant_fault", "shard", "require_backend", "backend", "hypothesis_profile", "new_tokens",
+             "changed", "record_launches")
 
 
 def cmd_merge(args, folders: list[str]) -> int:
@@ -301,6 +358,11 @@ def register(sub) -> None:
                      help="graph rung: skip the three-run determinism test (slow machines)")
     lad.add_argument("--shard", metavar="I/N", help="run shard I of N of every rung (a stable hash of each test's id; "
                                                      "`nanoqwen ladder merge R1 ... RN` joins the shards' report folders)")
+    lad.add_argument("--changed", metavar="REV", help="run only the cases that launch kernel code changed since git "
+                     "revision REV (the launch map a full run keeps; a change outside kernels/ runs everything)")
+    lad.add_argument("--record-launches", action="store_true",
+                     help="record which kernel code each case launches, where that is not already on (NumPy before "
+                          "Python 3.12, which it slows by about half)")
     lad.add_argument("-n", "--workers", default="auto", help="pytest-xdist workers per rung ('0' for none)")
     lad.add_argument("pytest_args", nargs="*", metavar="-- PYTEST ARGS",
                      help="extra arguments for every rung's pytest, after `--`")

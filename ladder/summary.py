@@ -62,6 +62,8 @@ class RunSummary:
         self.shard: str | None = None  # --shard I/N of this run
         self.durations: list[tuple[float, str]] = []  # (seconds of a setup or call phase, node id)
         self.total: int | None = None  # tests to run, where the collection says (progress lines)
+        self.order: list[str] = []  # node ids in collection order (the launch map keeps it)
+        self.launches: dict[str, list[str]] = {}  # node id -> kernel units it launched (--record-launches)
         self.finished = 0
         self.started = time.monotonic()
         self.last_progress = self.started
@@ -94,6 +96,8 @@ class RunSummary:
                 self.unsupported[(value["backend"], value["format"])] += 1
             elif key == "nanoqwen_graph_bounds" and value not in self.graph_bounds:
                 self.graph_bounds.append(value)
+            elif key == "nanoqwen_launches":
+                self.launches[report.nodeid] = value
 
     def progress(self) -> str | None:
         """A progress line every PROGRESS_SECONDS (long rungs: the graph rung on a GPU runs for many
@@ -129,7 +133,13 @@ class RunSummary:
             "unsupported": [{"backend": b, "format": f, "tests": n} for (b, f), n in sorted(self.unsupported.items())],
             "shard": self.shard,
             "slowest": [{"seconds": d, "test": n} for d, n in sorted(self.durations, reverse=True)[:SLOWEST]],
+            **({"launches": self.launch_map()} if self.launches else {}),
         }
+
+    def launch_map(self) -> dict[str, list[str]]:
+        """node id -> the units it launched, in collection order (ladder/launches.py)."""
+        rank = {n: i for i, n in enumerate(self.order)}
+        return {n: self.launches[n] for n in sorted(self.launches, key=lambda n: rank.get(n, len(rank)))}
 
     def graph_summaries(self):
         from ladder.tokens import summarize
@@ -164,6 +174,7 @@ def pytest_runtest_logreport(report):
 def pytest_collection_finish(session):
     if not is_worker(session.config):  # without workers, this process collected everything
         session.config._nanoqwen.total = len(session.items)
+        session.config._nanoqwen.order = [item.nodeid for item in session.items]
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -172,6 +183,7 @@ def pytest_xdist_node_collection_finished(node, ids):
     config = _CONFIG.get("config")
     if config is not None and config._nanoqwen.total is None:
         config._nanoqwen.total = len(ids)
+        config._nanoqwen.order = list(ids)
 
 
 def pytest_sessionfinish(session, exitstatus):

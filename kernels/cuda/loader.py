@@ -6,12 +6,18 @@ header's `#pragma once` is honoured by the loader itself), so CuPy's on-disk ker
 source text, sees a change to any header. Every `extern "C" __global__` function is fetched right
 away, which forces compilation at backend creation, before any CUDA graph capture (compiling inside a
 capture would fail). Entry-point names are global across modules: a name defined twice is an error.
+
+Each kernel is handed out behind a thin `Entry` that reports its launch to kernels/base.py's observer
+when one is set (the ladder's launch map: which case ran which kernel) and otherwise only calls it. A
+captured CUDA graph replays without Python, so the wrapper costs nothing on the decode path.
 """
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
+
+from kernels import base
 
 HERE = Path(__file__).resolve().parent
 MODULES = tuple(sorted(p.stem for p in HERE.glob("*.cu")))
@@ -20,7 +26,25 @@ _INCLUDE = re.compile(r'^[ \t]*#include[ \t]+"([\w.]+\.cuh)"[ \t]*$', re.M)
 _PRAGMA_ONCE = re.compile(r"^[ \t]*#pragma[ \t]+once[ \t]*$", re.M)
 _ENTRY = re.compile(r'extern "C" __global__ void(?:\s+__launch_bounds__\([^)]*\))?\s+(\w+)\s*\(')
 
-_CACHE: dict = {}  # kernel name -> cupy.RawKernel
+_CACHE: dict = {}  # kernel name -> Entry
+
+
+class Entry:
+    """A compiled kernel (cupy.RawKernel) that reports its launches to the observer, if any."""
+
+    __slots__ = ("name", "unit", "kernel")
+
+    def __init__(self, name: str, kernel):
+        self.name, self.unit, self.kernel = name, f"kernels/cuda::{name}", kernel
+
+    def __call__(self, *args, **kwargs):
+        sink = base.launch_observer()
+        if sink is not None:
+            sink.add(self.unit)
+        return self.kernel(*args, **kwargs)
+
+    def __getattr__(self, attr):  # attributes, max_threads_per_block, ...: the RawKernel's own
+        return getattr(self.kernel, attr)
 
 
 def _inline(text: str, where: str, seen: set[str]) -> str:
@@ -71,6 +95,6 @@ def kernels() -> dict:
         for module in MODULES:
             mod = cupy.RawModule(code=source(module), options=OPTIONS)
             for name in entry_points(module):
-                found[name] = mod.get_function(name)  # compiles the module (once) and loads it
+                found[name] = Entry(name, mod.get_function(name))  # compiles the module (once) and loads it
         _CACHE.update(found)
     return _CACHE

@@ -30,6 +30,8 @@ import tokenize
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ladder.sources import cuda_tokens, functions_of_tokens, token_index
+
 
 @dataclass(frozen=True)
 class Mutant:
@@ -153,32 +155,8 @@ def python_mutants(path: Path, rel: str) -> list[Mutant]:
 
 # --- CUDA --------------------------------------------------------------------------------------------
 
-_CUDA_TOKEN = re.compile(r"""
-    (?P<comment>//[^\n]*|/\*.*?\*/)
-  | (?P<pre>^[ \t]*\#[^\n]*(?:\\\n[^\n]*)*)
-  | (?P<string>"(?:\\.|[^"\\])*"|'(?:\\.|[^'\\])*')
-  | (?P<number>(?:0[xX][0-9a-fA-F]+|\d+\.\d*(?:[eE][+-]?\d+)?|\.\d+(?:[eE][+-]?\d+)?|\d+(?:[eE][+-]?\d+)?)[uUlLfF]*)
-  | (?P<name>[A-Za-z_]\w*)
-  | (?P<op><<=|>>=|<<|>>|<=|>=|==|!=|&&|\|\||\+\+|--|->|::|[-+*/%<>=!&|^~?:;,.(){}\[\]])
-  | (?P<space>\s+)
-""", re.S | re.M | re.X)
-
 _CUDA_OPS = {k: v for k, v in OPERATORS.items() if k not in ("and", "or", "//")}
 _BARRIERS = ("__syncthreads", "__syncwarp")
-
-
-def cuda_tokens(source: str) -> list[tuple[str, str, int]]:
-    """(kind, text, offset) of every token that is not a comment, a preprocessor line or white space."""
-    out, pos = [], 0
-    while pos < len(source):
-        m = _CUDA_TOKEN.match(source, pos)
-        if m is None:
-            raise ValueError(f"cannot tokenize the CUDA source at offset {pos}: {source[pos:pos + 20]!r}")
-        kind = m.lastgroup
-        if kind not in ("comment", "pre", "space"):
-            out.append((kind, m.group(), pos))
-        pos = m.end()
-    return out
 
 
 def _is_template_bracket(source: str, toks, i: int) -> bool:
@@ -223,25 +201,7 @@ def cuda_mutants(path: Path, rel: str) -> list[Mutant]:
     toks = cuda_tokens(source)
     line_of = lambda p: source.count("\n", 0, p) + 1  # noqa: E731
 
-    # The function each token is in: the name before the `(` of the parameter list whose `{` opens a
-    # top-level block; tokens outside any body (signatures, declarations) belong to "<file>".
-    function_of, depth, current, candidate = [], 0, "<file>", None
-    for i, (kind, text, _) in enumerate(toks):
-        if depth == 0 and kind == "name" and i + 1 < len(toks) and toks[i + 1][1] == "(":
-            candidate = text
-        if text == "{":
-            if depth == 0:
-                current = candidate or "<file>"
-            depth += 1
-            function_of.append(current)
-            continue
-        if text == "}":
-            depth -= 1
-            function_of.append(current)
-            if depth == 0:
-                current = "<file>"
-            continue
-        function_of.append(current if depth > 0 else "<file>")
+    function_of = functions_of_tokens(toks)
 
     sites = []
     for i, (kind, text, p) in enumerate(toks):
@@ -269,18 +229,7 @@ def cuda_mutants(path: Path, rel: str) -> list[Mutant]:
             last = toks[j - 1]
             if last[0] in ("name", "number") and toks[j - 2][1] == ",":
                 sites.append((last[2], line_of(last[2]), "shuffle", last[1], [f"({last[1]}) >> 1"]))
-    return _mutants(rel, sites, lambda pos: function_of[_token_index(toks, pos)])
-
-
-def _token_index(toks, pos: int) -> int:
-    lo, hi = 0, len(toks) - 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if toks[mid][2] <= pos:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    return _mutants(rel, sites, lambda pos: function_of[token_index(toks, pos)])
 
 
 def _mutants(rel: str, sites, function_at) -> list[Mutant]:

@@ -1,0 +1,357 @@
+"""The launch map: which kernel code each case of the ladder runs.
+
+A *unit* is the smallest piece of kernel code a run can tell apart:
+
+- numpy: a function of kernels/numpy, `kernels/numpy/attention.py::paged_attention_decode` (the file and
+  the name of the code object that ran; a nested function counts under its own name);
+- cuda: an entry point, `kernels/cuda::int4_sym_gemv_rows` (`extern "C" __global__`; entry-point names
+  are global across the modules, kernels/cuda/loader.py).
+
+While a rung runs with recording on (`--record-launches`, or always where it costs nothing, below), every
+case gets the units launched in its setup, call and teardown, and those launched while any fixture it
+uses was set up: a model built during one case and used by the next counts for both. The rung's JSON
+holds the map (node id -> units, in collection order); `nanoqwen ladder` keeps it per backend and model
+in the cache, `launch-maps/`.
+
+Two commands read it. `nanoqwen mutate` runs, for each mutant, only the cases that launch the mutated
+function; `nanoqwen ladder --changed REV` runs only the cases that launch a function changed since REV
+(`git diff`). `patterns_for(file, function)` turns a function into the units that run it: a numpy
+function is its own unit; a CUDA function is every entry point that reaches it (the call graph of
+ladder/sources.py over each module's source as NVRTC gets it, headers inlined); a change outside any
+function (module-level code, a macro, a launcher in Python) widens to the whole backend. The reading
+errs wide, never narrow: a case it adds costs time, a case it dropped would let a bug through.
+
+Recording costs: a CUDA launch reports itself through one Python wrapper (kernels/cuda/loader.py), so
+CUDA launches are recorded always. NumPy functions are seen through `sys.monitoring` on Python 3.12+ (each code object reports once
+per case, then is silenced until the next case: near zero cost); before 3.12 through `sys.setprofile`,
+which slows the NumPy unit rung by about half, so there it runs only when a command asks for a map.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]  # the folder that holds the project's packages
+NUMPY_DIR = "kernels/numpy"
+CUDA_DIR = "kernels/cuda"
+EVERYTHING = "*"  # the pattern every unit matches
+
+
+# --- recording -----------------------------------------------------------------------------------------
+
+_SINK: set[str] = set()
+_STOP: list = []  # how to undo what start() did
+
+
+def recording_is_free() -> bool:
+    """Whether recording NumPy launches costs next to nothing here (sys.monitoring, Python 3.12+)."""
+    return hasattr(sys, "monitoring")
+
+
+def start(numpy: bool = True) -> None:
+    """Record CUDA entry-point launches, and with `numpy` the kernels/numpy functions that run."""
+    from kernels.base import observe_launches
+
+    observe_launches(_SINK)  # device backends report each kernel launch (kernels/cuda/loader.py)
+    _STOP.append(lambda: observe_launches(None))
+    if numpy:
+        _start_numpy()
+
+
+def stop() -> None:
+    while _STOP:
+        _STOP.pop()()
+    _SINK.clear()
+
+
+def drain() -> set[str]:
+    """The units launched since the last drain; NumPy functions report again from here on."""
+    out = set(_SINK)
+    _SINK.clear()
+    if hasattr(sys, "monitoring") and _STOP:
+        sys.monitoring.restart_events()
+    return out
+
+
+def _numpy_prefix() -> str:
+    import kernels
+
+    return str(Path(kernels.__file__).resolve().parent / "numpy") + "/"
+
+
+def _start_numpy() -> None:
+    prefix = _numpy_prefix()
+    units: dict = {}  # code object -> unit, so a code object's unit is built once
+
+    def unit(code) -> str:
+        u = units.get(code)
+        if u is None:
+            u = units[code] = f"{NUMPY_DIR}/{code.co_filename[len(prefix):]}::{code.co_name}"
+        return u
+
+    if hasattr(sys, "monitoring"):
+        mon = sys.monitoring
+        tool = next(t for t in (4, 3, 5) if mon.get_tool(t) is None)
+        mon.use_tool_id(tool, "nanoqwen launch map")
+
+        def on_start(code, offset):
+            if code.co_filename.startswith(prefix):
+                _SINK.add(unit(code))
+            return mon.DISABLE  # once per case: drain() turns it back on
+
+        mon.register_callback(tool, mon.events.PY_START, on_start)
+        mon.set_events(tool, mon.events.PY_START)
+
+        def undo():
+            mon.set_events(tool, 0)
+            mon.register_callback(tool, mon.events.PY_START, None)
+            mon.free_tool_id(tool)
+
+        _STOP.append(undo)
+        return
+    import threading
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(prefix):
+            _SINK.add(unit(frame.f_code))
+
+    sys.setprofile(profile)
+    threading.setprofile(profile)
+    _STOP.append(lambda: (sys.setprofile(None), threading.setprofile(None)))
+
+
+class CaseLaunches:
+    """The pytest plugin that hands each case its units (registered by ladder/plugin.py when recording)."""
+
+    def __init__(self):
+        self.by_fixture: dict[str, set[str]] = defaultdict(set)
+        self.stack: list[set[str]] = [set()]  # the case, then each fixture being set up inside it
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_setup(self, item):
+        drain()  # launched between cases (a session's warm-up): nobody's
+        self.stack = [set()]
+        yield
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_fixture_setup(self, fixturedef, request):
+        self.stack[-1] |= drain()
+        self.stack.append(set())
+        try:
+            yield
+        finally:
+            mine = self.stack.pop() | drain()
+            self.by_fixture[fixturedef.argname] |= mine
+            self.stack[-1] |= mine  # a fixture that needs this one launched it too
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_teardown(self, item, nextitem):
+        yield
+        units = self.stack[0] | drain()
+        for name in getattr(item, "fixturenames", ()):
+            units |= self.by_fixture.get(name, set())
+        item.user_properties.append(("nanoqwen_launches", sorted(units)))  # the teardown report carries it
+
+
+# --- reading the map ----------------------------------------------------------------------------------
+
+
+def matches(units, patterns) -> bool:
+    """Whether any unit is one of `patterns` (a pattern ending in `*` matches every unit it begins)."""
+    for p in patterns:
+        if p.endswith("*"):
+            if any(u.startswith(p[:-1]) for u in units):
+                return True
+        elif p in units:
+            return True
+    return False
+
+
+def select(case_map: dict[str, list[str]], patterns) -> list[str]:
+    """The node ids of `case_map` whose units match, in the map's order."""
+    return [n for n, units in case_map.items() if matches(units, patterns)]
+
+
+def write_selection(path: Path, patterns, case_map: dict[str, list[str]]) -> None:
+    """The file `--launching` reads: the patterns and the map they are read against."""
+    path.write_text(json.dumps({"patterns": sorted(patterns), "map": case_map}))
+
+
+def read_selection(path: str) -> tuple[list[str], dict[str, list[str]]]:
+    try:
+        data = json.loads(Path(path).read_text())
+        return list(data["patterns"]), dict(data["map"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise pytest.UsageError(f"--launching {path}: not a selection file ({e})") from None
+
+
+def split(items, patterns, case_map) -> tuple[list, list]:
+    """(kept, dropped): a case is kept when the map does not know it or when it launches a unit of `patterns`."""
+    kept, dropped = [], []
+    for item in items:
+        units = case_map.get(item.nodeid)
+        (kept if units is None or matches(units, patterns) else dropped).append(item)
+    return kept, dropped
+
+
+def patterns_for(rel: str, function: str, root: Path = ROOT) -> list[str]:
+    """The units that run `function` of kernel source `rel` (relative to `root`); [] where none does."""
+    if rel.startswith(NUMPY_DIR + "/") and rel.endswith(".py"):
+        return [f"{NUMPY_DIR}/*"] if function == "<module>" else [f"{rel}::{function}"]
+    if rel.startswith(CUDA_DIR + "/") and rel.endswith((".cu", ".cuh")):
+        return [f"{CUDA_DIR}::{e}" for e in sorted(cuda_entries_reaching(Path(rel).name, function, root / CUDA_DIR))]
+    if rel.startswith(CUDA_DIR + "/"):
+        return [f"{CUDA_DIR}::*"]  # a launcher in Python: anything of the backend may go through it
+    return [EVERYTHING]
+
+
+def cuda_entries_reaching(filename: str, function: str, folder: Path) -> set[str]:
+    """Entry points whose call graph reaches `function` of `filename`, over every module that holds it.
+
+    A module holds a header when the loader inlines it. A function a macro names, or code outside any
+    function ("<file>"), widens to every entry point of the modules that hold the file."""
+    from ladder.sources import cuda_calls, cuda_macro_names
+
+    loader = _cuda_loader(folder)
+    found = set()
+    for module in loader.MODULES:
+        text = loader.source(module)
+        held = filename == f"{module}.cu" or f"---- {filename} (inlined" in text
+        if not held:
+            continue
+        entries = loader.entry_points(module)
+        if function == "<file>" or function in cuda_macro_names(text):
+            found.update(entries)
+            continue
+        calls = cuda_calls(text)
+        for entry in entries:
+            seen, todo = {entry}, [entry]
+            while todo:
+                for name in calls.get(todo.pop(), ()):
+                    if name in calls and name not in seen:
+                        seen.add(name)
+                        todo.append(name)
+            if function in seen:
+                found.add(entry)
+    return found
+
+
+def _cuda_loader(folder: Path):
+    """kernels/cuda/loader.py of `folder` (a copy of the tree may be read), without importing CuPy."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"_nanoqwen_loader_{abs(hash(str(folder)))}", folder / "loader.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# --- what changed since a revision --------------------------------------------------------------------
+
+# Paths a change to which cannot change what a rung checks (`--changed` looks past them).
+NOT_CHECKED = ("docs/", "bench/", ".ci/", ".github/")
+
+
+class ChangeError(Exception):
+    """`git` could not say what changed (no checkout, an unknown revision)."""
+
+
+def changed_patterns(rev: str, root: Path = ROOT) -> tuple[list[str] | None, list[str]]:
+    """(patterns, what changed) for the working tree against `rev`. patterns is None when a change lies
+    outside the kernels (engine/, reference/, a test...): no case can be left out then."""
+    names = _git(root, "diff", "--name-only", rev, "--", ".").split()
+    names += _git(root, "ls-files", "--others", "--exclude-standard").split()
+    patterns: set[str] = set()
+    described = []
+    for rel in sorted(set(names)):
+        if rel.startswith(NOT_CHECKED) or rel.endswith(".md"):
+            continue
+        if not rel.startswith("kernels/"):
+            return None, [rel]
+        path = root / rel
+        if not path.exists():  # removed: whatever launched it changes
+            return None, [f"{rel} (removed)"]
+        lines = _changed_lines(root, rev, rel)
+        text = path.read_text()
+        if rel.endswith(".py") and rel.startswith(NUMPY_DIR + "/"):
+            from ladder.sources import python_functions_on_lines
+
+            functions = python_functions_on_lines(text, lines) if lines is not None else {"<module>"}
+        elif rel.endswith((".cu", ".cuh")):
+            from ladder.sources import cuda_functions_on_lines
+
+            functions = cuda_functions_on_lines(text, lines) if lines is not None else {"<file>"}
+        else:
+            functions = {"<module>"}
+        for fn in sorted(functions):
+            patterns.update(patterns_for(rel, fn, root))
+            described.append(f"{rel}::{fn}")
+    return sorted(patterns), described
+
+
+def _changed_lines(root: Path, rev: str, rel: str) -> set[int] | None:
+    """Lines of the working tree's `rel` that differ from `rev` (None: the file is new)."""
+    if not _git(root, "ls-files", "--", rel).strip() or not _git(root, "cat-file", "-t", f"{rev}:{rel}", check=False).strip():
+        return None
+    lines = set()
+    for hunk in _git(root, "diff", "--unified=0", rev, "--", rel).splitlines():
+        if hunk.startswith("@@"):
+            new = hunk.split()[2]  # +start[,count]
+            start, _, count = new[1:].partition(",")
+            start, count = int(start), int(count or 1)
+            # a pure deletion (count 0) sits between two lines: both are where the code changed
+            lines.update(range(start, start + count) if count else (start, start + 1))
+    return lines
+
+
+def _git(root: Path, *args, check=True) -> str:
+    try:
+        r = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise ChangeError(f"cannot run git: {e}") from None
+    if check and r.returncode != 0:
+        raise ChangeError((r.stderr.strip().splitlines() or [f"git {' '.join(args)} failed"])[-1])
+    return r.stdout
+
+
+# --- the kept map --------------------------------------------------------------------------------------
+
+
+def map_file(backend: str, model: str | None) -> Path:
+    """The kept launch map of one backend and model (None: the embedded default model)."""
+    import hashlib
+
+    from engine.resolve import cache_root
+
+    key = hashlib.sha256((model or "default").encode()).hexdigest()[:12]
+    return cache_root() / "launch-maps" / f"{backend}-{key}.json"
+
+
+def load_map(path: Path) -> dict[str, list[str]] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def keep_map(path: Path, cases: dict[str, list[str]]) -> None:
+    """Merge `cases` into the map at `path` (a case run again replaces its entry), written atomically."""
+    import os
+    import tempfile
+
+    merged = {**(load_map(path) or {}), **cases}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(merged, f)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,139 @@
+"""Reading the kernels' source: which function a line or a token sits in, and which CUDA function calls which.
+
+Two readers need this and must agree: the mutants (ladder/tools/mutants.py names each mutant by the
+function it sits in) and the launch map (ladder/launches.py turns a mutated or changed function into
+the kernels that run it). One reading, here:
+
+- CUDA (kernels/cuda/*.cu, *.cuh): a tokenizer that skips comments, preprocessor lines and string
+  literals (inline PTX lives in strings). A token belongs to the function whose body holds it: the name
+  before the `(` of the parameter list whose `{` opens a top-level block; tokens outside any body
+  (signatures, declarations) belong to "<file>".
+- Python (kernels/numpy/*.py): the innermost `def` holding a line, "<module>" outside any.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+
+_CUDA_TOKEN = re.compile(r"""
+    (?P<comment>//[^\n]*|/\*.*?\*/)
+  | (?P<pre>^[ \t]*\#[^\n]*(?:\\\n[^\n]*)*)
+  | (?P<string>"(?:\\.|[^"\\])*"|'(?:\\.|[^'\\])*')
+  | (?P<number>(?:0[xX][0-9a-fA-F]+|\d+\.\d*(?:[eE][+-]?\d+)?|\.\d+(?:[eE][+-]?\d+)?|\d+(?:[eE][+-]?\d+)?)[uUlLfF]*)
+  | (?P<name>[A-Za-z_]\w*)
+  | (?P<op><<=|>>=|<<|>>|<=|>=|==|!=|&&|\|\||\+\+|--|->|::|[-+*/%<>=!&|^~?:;,.(){}\[\]])
+  | (?P<space>\s+)
+""", re.S | re.M | re.X)
+_PREPROCESSOR = re.compile(r"^[ \t]*#[^\n]*(?:\\\n[^\n]*)*", re.M)
+_WORD = re.compile(r"[A-Za-z_]\w*")
+
+
+def cuda_tokens(source: str) -> list[tuple[str, str, int]]:
+    """(kind, text, offset) of every token that is not a comment, a preprocessor line or white space."""
+    out, pos = [], 0
+    while pos < len(source):
+        m = _CUDA_TOKEN.match(source, pos)
+        if m is None:
+            raise ValueError(f"cannot tokenize the CUDA source at offset {pos}: {source[pos:pos + 20]!r}")
+        kind = m.lastgroup
+        if kind not in ("comment", "pre", "space"):
+            out.append((kind, m.group(), pos))
+        pos = m.end()
+    return out
+
+
+def functions_of_tokens(toks) -> list[str]:
+    """The function each token of `cuda_tokens` is in ("<file>" outside every body)."""
+    function_of, depth, current, candidate = [], 0, "<file>", None
+    for i, (kind, text, _) in enumerate(toks):
+        if depth == 0 and kind == "name" and i + 1 < len(toks) and toks[i + 1][1] == "(":
+            candidate = text
+        if text == "{":
+            if depth == 0:
+                current = candidate or "<file>"
+            depth += 1
+            function_of.append(current)
+            continue
+        if text == "}":
+            depth -= 1
+            function_of.append(current)
+            if depth == 0:
+                current = "<file>"
+            continue
+        function_of.append(current if depth > 0 else "<file>")
+    return function_of
+
+
+def token_index(toks, pos: int) -> int:
+    """The index of the last token that starts at or before offset `pos`."""
+    lo, hi = 0, len(toks) - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if toks[mid][2] <= pos:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def cuda_functions_on_lines(source: str, lines: set[int]) -> set[str]:
+    """The functions whose code (not a comment, not blank) is on any of `lines` (1-based)."""
+    toks = cuda_tokens(source)
+    function_of = functions_of_tokens(toks)
+    line_starts = [0] + [m.end() for m in re.finditer("\n", source)]
+    found = set()
+    for i, (_, _, p) in enumerate(toks):
+        line = _line_of(line_starts, p)
+        if line in lines:
+            found.add(function_of[i])
+    # a preprocessor line (a macro, an #include) is code too, outside any function's tokens
+    for m in _PREPROCESSOR.finditer(source):
+        first, last = _line_of(line_starts, m.start()), _line_of(line_starts, m.end())
+        if any(first <= line <= last for line in lines):
+            found.add("<file>")
+    return found
+
+
+def _line_of(line_starts: list[int], pos: int) -> int:
+    lo, hi = 0, len(line_starts) - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if line_starts[mid] <= pos:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo + 1
+
+
+def cuda_calls(source: str) -> dict[str, set[str]]:
+    """Function name -> every name its body mentions (calls among them; a template argument or a variable
+    too, which only makes the reading wider). Overloads and template instances share their name."""
+    toks = cuda_tokens(source)
+    calls: dict[str, set[str]] = {}
+    for (kind, text, _), fn in zip(toks, functions_of_tokens(toks)):
+        if fn != "<file>":
+            body = calls.setdefault(fn, set())
+            if kind == "name":
+                body.add(text)
+    return calls
+
+
+def cuda_macro_names(source: str) -> set[str]:
+    """Every name a preprocessor line of `source` mentions (a macro may call a function the tokens miss)."""
+    return {w for m in _PREPROCESSOR.finditer(source) for w in _WORD.findall(m.group())}
+
+
+def python_functions_on_lines(source: str, lines: set[int]) -> set[str]:
+    """The innermost `def` holding each of `lines` (1-based), "<module>" for a line outside every def."""
+    tree = ast.parse(source)
+    defs = [(n.lineno, n.end_lineno, n.name) for n in ast.walk(tree)
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    for d in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]:
+        if d.decorator_list:  # a decorator line belongs to the function it decorates
+            defs.append((min(x.lineno for x in d.decorator_list), d.end_lineno, d.name))
+    found = set()
+    for line in lines:
+        inside = [d for d in defs if d[0] <= line <= d[1]]
+        found.add(min(inside, key=lambda d: d[1] - d[0])[2] if inside else "<module>")
+    return found
