@@ -7,9 +7,10 @@ A *unit* is the smallest piece of kernel code a run can tell apart:
 - cuda: an entry point, `kernels/cuda::int4_sym_gemv_rows` (`extern "C" __global__`; entry-point names
   are global across the modules, kernels/cuda/loader.py).
 
-While a rung runs with recording on (`--record-launches`, or always where it costs nothing, below), every
-case gets the units launched in its setup, call and teardown, and those launched while any fixture it
-uses was set up: a model built during one case and used by the next counts for both. The rung's JSON
+While a rung runs with recording on (`--record-launches`), every case gets the units launched in its
+setup, call and teardown, those launched while any fixture it uses was set up (a model built during one
+case and used by the next counts for both), and those launched outside every case before it (the
+import-time code of a module imported while collecting). The rung's JSON
 holds the map (node id -> units, in collection order); `nanoqwen ladder` keeps it per backend and model
 in the cache, `launch-maps/`.
 
@@ -21,14 +22,16 @@ ladder/sources.py over each module's source as NVRTC gets it, headers inlined); 
 function (module-level code, a macro, a launcher in Python) widens to the whole backend. The reading
 errs wide, never narrow: a case it adds costs time, a case it dropped would let a bug through.
 
-Recording costs: a CUDA launch reports itself through one Python wrapper (kernels/cuda/loader.py), so
-CUDA launches are recorded always. NumPy functions are seen through `sys.monitoring` on Python 3.12+ (each code object reports once
-per case, then is silenced until the next case: near zero cost); before 3.12 through `sys.setprofile`,
-which slows the NumPy unit rung by about half, so there it runs only when a command asks for a map.
+Recording costs: a CUDA launch reports itself through one Python wrapper (kernels/cuda/loader.py). NumPy
+functions are seen through `sys.monitoring` on Python 3.12+ (each code object reports once per case,
+then is silenced until the next case: near zero cost); before 3.12 through `sys.setprofile`, which slows
+the NumPy unit rung by about half. So `nanoqwen ladder` records a map on every run where that is free
+(CUDA only, or Python 3.12+), and elsewhere only when asked or when `--changed` finds none.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -132,11 +135,12 @@ class CaseLaunches:
     def __init__(self):
         self.by_fixture: dict[str, set[str]] = defaultdict(set)
         self.stack: list[set[str]] = [set()]  # the case, then each fixture being set up inside it
+        self.ambient: set[str] = set()  # launched outside every case: at collection (a module's import-time code)
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_setup(self, item):
-        drain()  # launched between cases (a session's warm-up): nobody's
-        self.stack = [set()]
+        self.ambient |= drain()  # everything imported while collecting ran then: it counts for every case
+        self.stack = [set(self.ambient)]
         yield
 
     @pytest.hookimpl(hookwrapper=True)
@@ -216,20 +220,13 @@ def cuda_entries_reaching(filename: str, function: str, folder: Path) -> set[str
 
     A module holds a header when the loader inlines it. A function a macro names, or code outside any
     function ("<file>"), widens to every entry point of the modules that hold the file."""
-    from ladder.sources import cuda_calls, cuda_macro_names
-
-    loader = _cuda_loader(folder)
     found = set()
-    for module in loader.MODULES:
-        text = loader.source(module)
-        held = filename == f"{module}.cu" or f"---- {filename} (inlined" in text
-        if not held:
+    for module, (text, entries, calls, macros) in _cuda_modules(str(folder), _stamp(folder)).items():
+        if filename != f"{module}.cu" and f"---- {filename} (inlined" not in text:
             continue
-        entries = loader.entry_points(module)
-        if function == "<file>" or function in cuda_macro_names(text):
+        if function == "<file>" or function in macros:
             found.update(entries)
             continue
-        calls = cuda_calls(text)
         for entry in entries:
             seen, todo = {entry}, [entry]
             while todo:
@@ -240,6 +237,24 @@ def cuda_entries_reaching(filename: str, function: str, folder: Path) -> set[str
             if function in seen:
                 found.add(entry)
     return found
+
+
+def _stamp(folder: Path) -> tuple:
+    return tuple(sorted((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in folder.glob("*.cu*")))
+
+
+@functools.lru_cache(maxsize=8)
+def _cuda_modules(folder: str, stamp: tuple) -> dict:
+    """module -> (its source as NVRTC gets it, its entry points, its call graph, the names its macros use);
+    read once per state of the folder (`stamp`)."""
+    from ladder.sources import cuda_calls, cuda_macro_names
+
+    loader = _cuda_loader(Path(folder))
+    out = {}
+    for module in loader.MODULES:
+        text = loader.source(module)
+        out[module] = (text, loader.entry_points(module), cuda_calls(text), cuda_macro_names(text))
+    return out
 
 
 def _cuda_loader(folder: Path):

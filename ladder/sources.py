@@ -45,10 +45,23 @@ def cuda_tokens(source: str) -> list[tuple[str, str, int]]:
 
 def functions_of_tokens(toks) -> list[str]:
     """The function each token of `cuda_tokens` is in ("<file>" outside every body)."""
-    function_of, depth, current, candidate = [], 0, "<file>", None
+    # The candidate name of the next body: at file level and outside parentheses, the last name followed by
+    # `(` (`__launch_bounds__(64) k(` names k; `float f(const u32 (&w)[4])` names f, not u32), or the name
+    # after `struct` / `class` / `union` (a struct's methods are its body); a `;` ends a declaration.
+    function_of, depth, parens, current, candidate = [], 0, 0, "<file>", None
     for i, (kind, text, _) in enumerate(toks):
-        if depth == 0 and kind == "name" and i + 1 < len(toks) and toks[i + 1][1] == "(":
-            candidate = text
+        if depth == 0:
+            if text == "(":
+                parens += 1
+            elif text == ")":
+                parens -= 1
+            elif text == ";":
+                candidate = None
+            elif kind == "name" and parens == 0 and i + 1 < len(toks):
+                if toks[i + 1][1] == "(":
+                    candidate = text
+                elif text in ("struct", "class", "union") and toks[i + 1][0] == "name":
+                    candidate = toks[i + 1][1]
         if text == "{":
             if depth == 0:
                 current = candidate or "<file>"
@@ -111,11 +124,24 @@ def cuda_calls(source: str) -> dict[str, set[str]]:
     too, which only makes the reading wider). Overloads and template instances share their name."""
     toks = cuda_tokens(source)
     calls: dict[str, set[str]] = {}
+    statement: list[str] = []  # the names of the file-level statement so far
     for (kind, text, _), fn in zip(toks, functions_of_tokens(toks)):
         if fn != "<file>":
             body = calls.setdefault(fn, set())
             if kind == "name":
                 body.add(text)
+            statement = []
+            continue
+        if text == ";":
+            # a file-level alias is a name that reaches what it names:
+            # `typedef DecodeRowScaledBytes<Int8Bytes> DecodeInt8SymChannel;`, `using D = X<Y>;`
+            if statement[:1] == ["typedef"] and len(statement) > 2:
+                calls.setdefault(statement[-1], set()).update(statement[1:-1])
+            elif statement[:1] == ["using"] and len(statement) > 2:
+                calls.setdefault(statement[1], set()).update(statement[2:])
+            statement = []
+        elif kind == "name":
+            statement.append(text)
     return calls
 
 

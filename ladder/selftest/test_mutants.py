@@ -146,6 +146,28 @@ def test_a_caught_mutant_is_killed_and_a_harmless_one_survives():
     assert (ROOT / "kernels/numpy/__init__.py").read_text().count("def rotate") == 1  # the checkout is untouched
 
 
+@skip_inside_nested_run
+def test_a_mutant_in_code_no_case_launches_is_not_run_and_not_scored():
+    from ladder.tools.mutate import summarize
+
+    idle = next(m for m in mutants_of(ROOT, "kernels/numpy/attention.py") if m.function == "paged_attention")
+    results = run([idle], "numpy", ["unit"], jobs=1, timeout=600, extra=["-k", "test_ops and rope"], log=lambda s: None)
+    assert results[0]["outcome"] == "not_launched" and results[0]["cases"] == 0
+    total = summarize(results, {})["total"]
+    assert total["not_launched"] == 1 and total["score"] is None
+
+
+@skip_inside_nested_run
+def test_rungs_red_on_the_unmutated_tree_refuse_the_run(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "ladder", "mutate", "--sample", "1", "--rungs", "unit", "-j", "1",
+                        "--report", str(tmp_path / "m"), "--", "-k", "test_ops and attention_decode",
+                        "--plant-fault", "stale_page_read"],
+                       cwd=tmp_path, capture_output=True, text=True, env=child_env("numpy"), timeout=600)
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert r.stderr.count("\n") == 1 and "red on the unmutated tree" in r.stderr, r.stderr
+    assert not (tmp_path / "m").exists()
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--rungs", "unit,typo"], "--rungs"),
     (["--files", "kernels/nowhere/*.py"], "--files"),

@@ -4,20 +4,25 @@
                     [--rungs unit,layer,graph] [-j WORKERS] [--timeout SECONDS] [--report DIR]
                     [--baseline DIR] [--rerun DIR] [--list] [-- PYTEST ARGS]
 
-Each mutant (ladder/tools/mutants.py: one small edit to one kernel source) is written into a private copy
-of the checkout, and the rungs run against it on the chosen backend, cheapest first, each with `-x`:
-the first rung that goes red kills the mutant, and the rest are not run. A mutant every rung passes
-survived: the ladder cannot tell that kernel from a broken one. Outcomes:
+First each rung runs once on the unmutated tree (it must be green) and records the launch map
+(ladder/launches.py): which kernel code each case launches. Then each mutant (ladder/tools/mutants.py: one
+small edit to one kernel source) is written into a worker's private copy of the checkout, and the rungs
+run against it on the chosen backend, cheapest first, each with `-x` and only the cases that launch the
+mutated function: the first rung that goes red kills the mutant, and the rest are not run. A mutant
+every rung passes survived: the ladder cannot tell that kernel from a broken one. Each worker keeps a
+warm process (ladder/tools/forkserver.py) with the heavy libraries imported, which forks a child per
+rung run; on CUDA the children share one kernel cache, so a mutant costs the compile of its own module.
+Outcomes:
 
 - `killed` (a rung failed, or could not collect: an import that breaks is noticed too),
 - `survived`, `timed_out` (past --timeout: counted as detected, as a hang would be),
 - `did_not_compile` (a Python mutant that no longer parses, a CUDA mutant NVRTC refuses): not scored,
+- `not_launched`: no case of the rungs run launches the mutated function; not run, not scored, listed,
 - `equivalent`: on the reviewed list of ladder/tools/equivalent_mutants.json (a signature and the reason
   it cannot change any output); not run, not scored, shown in the report.
 
-The score is (killed + timed_out) / (killed + timed_out + survived). Workers (`-j`) each own a copy of
-the tree and, on a GPU, their own CuPy kernel cache; the copy's tests run with the nested-run mark
-(ladder/nested.py), so tests that start ladders of their own skip instead of recursing. The report
+The score is (killed + timed_out) / (killed + timed_out + survived). The copies' tests run with the
+nested-run mark (ladder/nested.py), so tests that start ladders of their own skip instead of recursing. The report
 folder gets `mutate.json` and `mutate.md`: per file and per kernel function, the counts and the score;
 every survivor with file:line and its edit; with `--baseline DIR`, the score change per file and the
 mutants killed there that survive here. `--rerun DIR` runs only the survivors of an earlier report:
@@ -40,6 +45,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from engine.errors import NanoqwenError
+from ladder.launches import patterns_for, select
 from ladder.tools.mutants import Mutant, compiles, mutants_of
 
 ROOT = Path(__file__).resolve().parents[2]  # the folder that holds the project's packages
@@ -90,10 +96,43 @@ def sample(mutants: list[Mutant], n: int | None, seed: int) -> list[Mutant]:
 # --- running one mutant ------------------------------------------------------------------------------
 
 
-class Worker:
-    """A private copy of the tree; mutants are written into it one at a time and restored after."""
+class MutateError(NanoqwenError):
+    """The run cannot judge mutants: the rungs are red on the unmutated tree (one line, exit 2)."""
 
-    def __init__(self, base: Path, index: int, backend: str, rungs, timeout: float, extra: list[str]):
+
+def _rung_args(rung: str, root: Path, backend: str, extra: list[str]) -> list[str]:
+    # As `nanoqwen ladder` runs a rung (ladder/runner.py): no configuration file, the plugin named.
+    return ["-m", rung, "-q", "-c", os.devnull, "--rootdir", str(root), "--confcutdir", str(root), "-p", "ladder.plugin",
+            "--strict-markers", "-p", "no:cacheprovider", "--backend", backend, *extra]
+
+
+def clean_run(backend: str, rungs, jobs: int, extra: list[str], env: dict, folder: Path, log=print) -> dict[str, dict]:
+    """Each rung once on the unmutated tree, recording the launch map (ladder/launches.py): rung -> node id ->
+    the kernel units the case launches. A rung that is red here makes every verdict meaningless: MutateError."""
+    maps = {}
+    for rung in rungs:
+        out = folder / f"clean-{rung}.json"
+        cmd = [sys.executable, "-m", "pytest", str(ROOT / "ladder" / rung), *_rung_args(rung, ROOT, backend, extra),
+               "--record-launches", "--ladder-json", str(out)] + (["-n", str(jobs)] if jobs > 1 else ["-p", "no:xdist"])
+        t0 = time.perf_counter()
+        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        if r.returncode not in (0, 5):
+            tail = (r.stdout + r.stderr).strip().splitlines()[-1:] or ["no output"]
+            raise MutateError(f"the {rung} rung is red on the unmutated tree (exit {r.returncode}: {tail[0]}); "
+                              f"a mutant's verdict would mean nothing")
+        data = json.loads(out.read_text()) if out.exists() else {}
+        maps[rung] = data.get("launches", {})
+        log(f"clean {rung} rung: {len(maps[rung])} cases, {time.perf_counter() - t0:.0f} s (the launch map)")
+    return maps
+
+
+class Worker:
+    """A private copy of the tree and a warm fork server (ladder/tools/forkserver.py) started in it. A mutant is
+    written into the copy, each rung runs only the cases of the launch map that launch the mutated function,
+    and the file is restored."""
+
+    def __init__(self, base: Path, index: int, backend: str, rungs, timeout: float, extra: list[str],
+                 maps: dict[str, dict], env: dict):
         self.dir = base / f"w{index}"
         for name in TREE:
             src = ROOT / name
@@ -102,42 +141,73 @@ class Worker:
             elif src.exists():
                 self.dir.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(src, self.dir / name)
-        self.backend, self.rungs, self.timeout, self.extra = backend, rungs, timeout, extra
-        from ladder.nested import child_env
+        self.backend, self.rungs, self.timeout, self.extra, self.maps = backend, rungs, timeout, extra, maps
+        self.env = {**env, "PYTHONPATH": str(self.dir), "PYTHONDONTWRITEBYTECODE": "1",
+                    "HYPOTHESIS_STORAGE_DIRECTORY": str(self.dir / ".hypothesis")}
+        self.log = self.dir / "rung.log"
+        self.server = None
 
-        self.env = child_env(backend, pythonpath=str(self.dir), CUPY_CACHE_DIR=str(self.dir / ".cupy-cache"),
-                             HYPOTHESIS_STORAGE_DIRECTORY=str(self.dir / ".hypothesis"))
+    def _start(self):
+        self.server = subprocess.Popen([sys.executable, "-m", "ladder.tools.forkserver", self.backend], cwd=self.dir,
+                                       env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                       start_new_session=True)
+        ready = self.server.stdout.readline()
+        if not ready.startswith('{"ready"'):
+            raise MutateError(f"the fork server of worker {self.dir.name} did not start (exit {self.server.poll()})")
+
+    def close(self):
+        if self.server is not None:
+            self.server.stdin.close()
+            try:
+                self.server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.server.kill()
+            self.server = None
+
+    def plan(self, m: Mutant) -> list[tuple[str, list[str]]]:
+        """(rung, node ids) of the cases that launch the mutated function, per rung, cheapest rung first."""
+        patterns = patterns_for(m.file, m.function, ROOT)  # the copy, unmutated between mutants, reads the same
+        return [(rung, select(self.maps.get(rung, {}), patterns)) for rung in self.rungs]
 
     def run(self, m: Mutant) -> dict:
         path = self.dir / m.file
         original = path.read_text()
         mutated = m.apply(original)
         if not compiles(m.file, mutated):
-            return {"outcome": "did_not_compile", "rung": None, "seconds": 0.0}
+            return {"outcome": "did_not_compile", "rung": None, "seconds": 0.0, "cases": 0}
+        plan = self.plan(m)
+        cases = sum(len(ids) for _, ids in plan)
+        if not cases:  # no case of the selected rungs runs this code: nothing could see the mutant
+            return {"outcome": "not_launched", "rung": None, "seconds": 0.0, "cases": 0}
         path.write_text(mutated)
         t0 = time.perf_counter()
         try:
-            for rung in self.rungs:
-                outcome = self._rung(rung)
+            for rung, ids in plan:
+                if not ids:
+                    continue
+                outcome = self._rung(rung, ids)
                 if outcome != "passed":
-                    return {"outcome": outcome, "rung": rung, "seconds": round(time.perf_counter() - t0, 2)}
-            return {"outcome": "survived", "rung": None, "seconds": round(time.perf_counter() - t0, 2)}
+                    return {"outcome": outcome, "rung": rung, "seconds": round(time.perf_counter() - t0, 2), "cases": cases}
+            return {"outcome": "survived", "rung": None, "seconds": round(time.perf_counter() - t0, 2), "cases": cases}
         finally:
             path.write_text(original)
 
-    def _rung(self, rung: str) -> str:
-        # As `nanoqwen ladder` runs a rung (ladder/runner.py): no configuration file, the plugin named.
-        cmd = [sys.executable, "-m", "pytest", str(self.dir / "ladder" / rung), "-m", rung, "-x", "-q",
-               "-c", os.devnull, "--rootdir", str(self.dir), "--confcutdir", str(self.dir), "-p", "ladder.plugin",
-               "--strict-markers", "-p", "no:cacheprovider", "-p", "no:xdist", "--backend", self.backend, *self.extra]
-        try:
-            r = subprocess.run(cmd, cwd=self.dir, env=self.env, capture_output=True, text=True, timeout=self.timeout,
-                               start_new_session=True)
-        except subprocess.TimeoutExpired:
+    def _rung(self, rung: str, ids: list[str]) -> str:
+        if self.server is None or self.server.poll() is not None:
+            self._start()
+        args = [*ids, *_rung_args(rung, self.dir, self.backend, ["-x", "-p", "no:xdist", *self.extra])]
+        self.server.stdin.write(json.dumps({"args": args, "timeout": self.timeout, "log": str(self.log)}) + "\n")
+        self.server.stdin.flush()
+        answer = self.server.stdout.readline()
+        if not answer:  # the server itself died (a mutant cannot reach it: it runs in the child)
+            self.server = None
+            raise MutateError(f"the fork server of worker {self.dir.name} died running {rung}")
+        res = json.loads(answer)
+        if res.get("timed_out"):
             return "timed_out"
-        if r.returncode == 0 or r.returncode == 5:  # 5: this rung selected nothing for the mutant's backend
+        if res["exit"] in (0, 5):  # 5: nothing selected (every case deselected by the user's own -k)
             return "passed"
-        out = r.stdout + r.stderr
+        out = self.log.read_text(errors="replace")
         if "CompileException" in out or "NVRTC_ERROR" in out:
             return "did_not_compile"
         return "killed"
@@ -147,30 +217,42 @@ class Worker:
 
 
 def run(mutants: list[Mutant], backend: str, rungs, jobs: int, timeout: float, extra: list[str], log=print) -> list[dict]:
-    """Each mutant's record (its fields, outcome, the rung that killed it, seconds)."""
+    """Each mutant's record (its fields, outcome, the rung that killed it, seconds, cases run)."""
     results: list[dict] = []
     if not mutants:
         return results
+    from ladder.nested import child_env
+
     with tempfile.TemporaryDirectory(prefix="nanoqwen-mutate-") as tmp:
-        workers = [Worker(Path(tmp), i, backend, rungs, timeout, extra) for i in range(max(1, min(jobs, len(mutants))))]
+        # One CuPy kernel cache for the clean run and every worker: the clean run compiles each module once,
+        # and a worker's child then compiles only the module its mutant changed.
+        env = child_env(backend, pythonpath=str(ROOT), CUPY_CACHE_DIR=str(Path(tmp) / "cupy-cache"),
+                        HYPOTHESIS_STORAGE_DIRECTORY=str(Path(tmp) / "hypothesis-clean"))
+        maps = clean_run(backend, rungs, jobs, extra, env, Path(tmp), log)
+        workers = [Worker(Path(tmp), i, backend, rungs, timeout, extra, maps, env)
+                   for i in range(max(1, min(jobs, len(mutants))))]
         free = list(workers)
         t0 = time.perf_counter()
-        with concurrent.futures.ThreadPoolExecutor(len(workers)) as pool:
-            pending = {}
-            queue = list(mutants)
-            while queue or pending:
-                while queue and free:
-                    w, m = free.pop(), queue.pop(0)
-                    pending[pool.submit(w.run, m)] = (w, m)
-                done, _ = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
-                for fut in done:
-                    w, m = pending.pop(fut)
-                    free.append(w)
-                    rec = {**m.record(), **fut.result()}
-                    results.append(rec)
-                    n = len(results)
-                    log(f"[{n}/{len(mutants)}] {rec['outcome']:<15} {m.describe()}"
-                        + (f" (rung {rec['rung']})" if rec["rung"] else "") + f"  {time.perf_counter() - t0:.0f}s")
+        try:
+            with concurrent.futures.ThreadPoolExecutor(len(workers)) as pool:
+                pending = {}
+                queue = list(mutants)
+                while queue or pending:
+                    while queue and free:
+                        w, m = free.pop(), queue.pop(0)
+                        pending[pool.submit(w.run, m)] = (w, m)
+                    done, _ = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+                    for fut in done:
+                        w, m = pending.pop(fut)
+                        free.append(w)
+                        rec = {**m.record(), **fut.result()}
+                        results.append(rec)
+                        log(f"[{len(results)}/{len(mutants)}] {rec['outcome']:<15} {m.describe()}"
+                            + (f" (rung {rec['rung']})" if rec["rung"] else "")
+                            + f"  {rec['cases']} cases  {time.perf_counter() - t0:.0f}s")
+        finally:
+            for w in workers:
+                w.close()
     results.sort(key=lambda r: (r["file"], r["start"], r["replacement"]))
     return results
 
@@ -189,7 +271,7 @@ def summarize(results: list[dict], equivalents: dict[str, dict]) -> dict:
         by_file[e["file"]]["equivalent"] += 1
         by_function[(e["file"], e["function"])]["equivalent"] += 1
     total = sum((c for c in by_file.values()), Counter())
-    row = lambda c: {**{k: c[k] for k in ("killed", "timed_out", "survived", "did_not_compile", "equivalent")},  # noqa: E731
+    row = lambda c: {**{k: c[k] for k in ("killed", "timed_out", "survived", "did_not_compile", "not_launched", "equivalent")},  # noqa: E731
                      "score": score(c)}
     return {"total": row(total),
             "files": {f: row(c) for f, c in sorted(by_file.items())},
@@ -219,12 +301,12 @@ def markdown(report: dict) -> str:
     lines = ["# Mutation report", "",
              f"Backend `{meta['backend']}`, rungs {', '.join(meta['rungs'])}, {meta['run']} of {meta['candidates']} "
              f"mutants run (seed {meta['seed']}), {meta['seconds']:.0f} s. Score = detected / (detected + survived); "
-             "mutants that do not compile and reviewed equivalents are not scored.", "",
-             "| file | killed | timed out | survived | did not compile | equivalent | score |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             "mutants that do not compile, that sit in code no case launches, and reviewed equivalents are not scored.", "",
+             "| file | killed | timed out | survived | did not compile | not launched | equivalent | score |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for f, r in [*s["files"].items(), ("**total**", s["total"])]:
         lines.append(f"| {f} | {r['killed']} | {r['timed_out']} | {r['survived']} | {r['did_not_compile']} | "
-                     f"{r['equivalent']} | {_pct(r['score'])} |")
+                     f"{r.get('not_launched', 0)} | {r['equivalent']} | {_pct(r['score'])} |")
     lines += ["", "## Per kernel function", "", "| file | function | detected | survived | score |", "| --- | --- | --- | --- | --- |"]
     for r in s["functions"]:
         lines.append(f"| {r['file']} | {r['function']} | {r['killed'] + r['timed_out']} | {r['survived']} | {_pct(r['score'])} |")
@@ -232,6 +314,9 @@ def markdown(report: dict) -> str:
     lines += ["", f"## Survivors ({len(survivors)})", ""]
     lines += [f"- `{r['file']}:{r['line']}` in `{r['function']}`: `{r['original']}` -> `{r['replacement']}` "
               f"({r['kind']}; signature `{r['signature']}`)" for r in survivors] or ["none"]
+    idle = [r for r in report["mutants"] if r["outcome"] == "not_launched"]
+    lines += ["", f"## Not launched by any case of the rungs run ({len(idle)}, not scored)", ""]
+    lines += [f"- `{r['file']}:{r['line']}` in `{r['function']}`: `{r['original']}` -> `{r['replacement']}`" for r in idle[:200]] or ["none"]
     eq = report["equivalents"]
     lines += ["", f"## Reviewed equivalent mutants ({len(eq)}, not run, not scored)", ""]
     lines += [f"- `{e['file']}:{e['line']}`: `{e['original']}` -> `{e['replacement']}`: {e['reason']}" for e in eq.values()] or ["none"]
@@ -288,7 +373,11 @@ def _run(args) -> int:
     print(f"nanoqwen mutate: {len(chosen)} of {len(runnable)} mutants of {len(files)} files on backend {args.backend}, "
           f"rungs {','.join(rungs)}, {args.jobs} workers", flush=True)
     t0 = time.perf_counter()
-    results = run(chosen, args.backend, rungs, args.jobs, args.timeout, extra, log=lambda s: print(s, flush=True))
+    try:
+        results = run(chosen, args.backend, rungs, args.jobs, args.timeout, extra, log=lambda s: print(s, flush=True))
+    except NanoqwenError as e:
+        print(f"nanoqwen: error: {e}", file=sys.stderr)
+        return 2
     report = {"meta": {"backend": args.backend, "rungs": rungs, "files": files, "seed": args.seed, "sample": args.sample,
                        "candidates": len(candidates), "run": len(chosen), "pytest_args": extra,
                        "seconds": time.perf_counter() - t0, "started": datetime.datetime.now().isoformat(timespec="seconds")},
@@ -299,8 +388,10 @@ def _run(args) -> int:
     (out / "mutate.json").write_text(json.dumps(report, indent=1))
     (out / "mutate.md").write_text(markdown(report))
     t = report["summary"]["total"]
+    run_s = [r["seconds"] for r in results if r["outcome"] not in ("did_not_compile", "not_launched")]
     print(f"score {_pct(t['score'])}: {t['killed']} killed, {t['timed_out']} timed out, {t['survived']} survived, "
-          f"{t['did_not_compile']} did not compile, {t['equivalent']} reviewed equivalents; report in {out}")
+          f"{t['did_not_compile']} did not compile, {t['not_launched']} not launched, {t['equivalent']} reviewed "
+          f"equivalents; {sum(run_s) / max(1, len(results)):.1f} s of worker time per mutant; report in {out}")
     return 0
 
 

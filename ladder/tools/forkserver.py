@@ -1,0 +1,109 @@
+"""The warm process behind each `nanoqwen mutate` worker: heavy imports once, one forked child per rung run.
+
+    python -m ladder.tools.forkserver BACKEND      (started by ladder/tools/mutate.py, in a copy of the tree)
+
+A fresh pytest process per mutant and rung spends most of its time before the first test: about 7 s
+importing torch, transformers, Hypothesis and pytest on 2 cores, and on a GPU compiling every CUDA
+module again. This process imports those libraries once, then answers requests on stdin, one JSON
+line each: `{"args": [pytest arguments], "timeout": seconds, "log": file}`. For each it forks a child
+that runs `pytest.main(args)` with its output in `log`, and answers one JSON line on stdout:
+`{"exit": code}`, or `{"exit": null, "timed_out": true}` when the child ran past the timeout and was
+killed with its whole process group.
+
+What must hold for a child to see the mutant:
+- No module of the project is imported here (checked after the imports): each child imports the
+  project from the copy of the tree, after the mutant was written into it. Bytecode is not written
+  (PYTHONDONTWRITEBYTECODE, set by mutate.py), so a stale .pyc can never stand in for the mutated source.
+- The device is never touched here: a CUDA context does not survive a fork. Each child creates its
+  own; CuPy's on-disk kernel cache, which the workers share, hands it every module already compiled
+  (keyed by the source text), so a child runs NVRTC on the mutated module only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+PROJECT = ("engine", "kernels", "reference", "fixtures", "bench", "conftest")
+HEAVY = ("numpy", "torch", "transformers", "transformers.models.qwen2.modeling_qwen2", "safetensors.numpy",
+         "tokenizers", "hypothesis", "hypothesis.extra.numpy", "pytest", "_pytest.python", "_pytest.fixtures")
+
+
+def preimport(backend: str) -> list[str]:
+    """Import the heavy libraries (those not installed are left to the child); returns the ones imported."""
+    names = list(HEAVY) + (["cupy"] if backend == "cuda" else [])  # importing CuPy creates no CUDA context
+    done = []
+    for name in names:
+        try:
+            __import__(name)
+            done.append(name)
+        except Exception:  # noqa: BLE001 - a library the rungs do not need here; the child will say so if it does
+            pass
+    loaded = sorted(m for m in sys.modules if m.split(".")[0] in PROJECT)
+    if loaded:
+        raise RuntimeError(f"the fork server imported project modules {loaded[:5]}: children would not see a mutant")
+    return done
+
+
+def run_child(args: list[str], timeout: float, log: str) -> dict:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the child: its own process group, so a timeout kills everything it started
+        code = 3
+        try:
+            os.setsid()
+            fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            import pytest
+
+            code = int(pytest.main(args))
+        except BaseException as e:  # noqa: BLE001 - whatever happens, the server gets an exit code
+            try:
+                os.write(2, f"fork server child: {type(e).__name__}: {e}\n".encode())
+            except OSError:
+                pass
+        finally:
+            try:
+                sys.stdout.flush()
+                sys.stderr.flush()
+            finally:
+                os._exit(code)
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return {"exit": os.waitstatus_to_exitcode(status)}
+        if time.monotonic() > deadline:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            os.waitpid(pid, 0)
+            return {"exit": None, "timed_out": True}
+        time.sleep(0.02)
+
+
+def main(argv: list[str]) -> int:
+    backend = argv[0] if argv else "numpy"
+    out = sys.stdout
+    sys.stdout = sys.stderr  # anything the imports print must not reach the protocol stream
+    preimport(backend)
+    out.write(json.dumps({"ready": True}) + "\n")
+    out.flush()
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        req = json.loads(line)
+        res = run_child(req["args"], float(req["timeout"]), req["log"])
+        out.write(json.dumps(res) + "\n")
+        out.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
