@@ -15,21 +15,21 @@ VALUE_SHUFFLE = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
 def ref_unpack_int4(qweight: np.ndarray) -> np.ndarray:
-    """uint32 `[out, in/8]` -> int64 nibbles `[out, in]`. Nibble k of word j is element 8j + VALUE_SHUFFLE[k]."""
-    qweight = np.asarray(qweight, dtype=np.uint64)
+    """uint32 `[out, in/8]` -> nibbles 0..15 `[out, in]` (uint8). Nibble k of word j is element 8j + VALUE_SHUFFLE[k]."""
+    qweight = np.asarray(qweight, dtype=np.uint32)
     out_f, n_words = qweight.shape
-    res = np.zeros((out_f, n_words * 8), dtype=np.int64)
-    for j in range(n_words):
-        for k, e in enumerate(VALUE_SHUFFLE):
-            res[:, 8 * j + e] = (qweight[:, j] >> np.uint64(4 * k)) & np.uint64(0xF)
-    return res
+    res = np.zeros((out_f, n_words, 8), dtype=np.uint8)  # [row, word j, element e of the word]
+    for k, e in enumerate(VALUE_SHUFFLE):  # every word at once, one nibble position at a time
+        res[:, :, e] = (qweight >> np.uint32(4 * k)) & np.uint32(0xF)
+    return res.reshape(out_f, n_words * 8)
 
 
 def ref_dequant_int4_sym_g128(qweight, scales, dtype=np.float64) -> np.ndarray:
     """`[out, in]` = (nibble - 8) * scale of the row's group of 128."""
     nib = ref_unpack_int4(qweight)
-    s = np.repeat(np.asarray(scales, dtype=dtype), 128, axis=1)
-    return (nib - 8).astype(dtype) * s
+    out_f, in_f = nib.shape
+    s = np.asarray(scales, dtype=dtype)[:, :, None]  # [out, group, 1]: one scale for the group's 128
+    return ((nib.astype(dtype) - 8).reshape(out_f, in_f // 128, 128) * s).reshape(out_f, in_f)
 
 
 def ref_dequant_int4_asym_g128(qweight, scale_zero, dtype=np.float64) -> np.ndarray:
@@ -41,7 +41,9 @@ def ref_dequant_int4_asym_g128(qweight, scale_zero, dtype=np.float64) -> np.ndar
     z = (sz >> np.uint32(16)).astype(np.uint16).view(np.float16).astype(np.float64) - 1024.0
     if ((z < 0) | (z > 15) | (z != np.floor(z))).any():
         raise ValueError("int4_asym_g128: a zero point is not an integer 0..15")
-    return (q - np.repeat(z, 128, axis=1)).astype(dtype) * np.repeat(s, 128, axis=1)
+    out_f, in_f = q.shape
+    groups = (q.astype(np.float64).reshape(out_f, in_f // 128, 128) - z[:, :, None]).astype(dtype)
+    return (groups * s[:, :, None]).reshape(out_f, in_f)
 
 
 def ref_dequant_int8_sym_channel(qweight, scales, dtype=np.float64) -> np.ndarray:

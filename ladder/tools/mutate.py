@@ -117,8 +117,9 @@ def clean_run(backend: str, rungs, jobs: int, extra: list[str], env: dict, folde
         t0 = time.perf_counter()
         r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         if r.returncode not in (0, 5):
-            tail = (r.stdout + r.stderr).strip().splitlines()[-1:] or ["no output"]
-            raise MutateError(f"the {rung} rung is red on the unmutated tree (exit {r.returncode}: {tail[0]}); "
+            lines = (r.stdout + r.stderr).strip().splitlines()
+            first = next((ln for ln in lines if ln.startswith(("FAILED", "ERROR"))), (lines or ["no output"])[-1])
+            raise MutateError(f"the {rung} rung is red on the unmutated tree (exit {r.returncode}: {first.strip()}); "
                               f"a mutant's verdict would mean nothing")
         data = json.loads(out.read_text()) if out.exists() else {}
         maps[rung] = data.get("launches", {})
@@ -154,6 +155,13 @@ class Worker:
         ready = self.server.stdout.readline()
         if not ready.startswith('{"ready"'):
             raise MutateError(f"the fork server of worker {self.dir.name} did not start (exit {self.server.poll()})")
+        # The canary: a case of the unmutated tree must pass in a forked child, or every mutant would be
+        # "killed" by the fork itself (a CUDA context made before the fork, a library that cannot fork).
+        canary = next(((rung, list(self.maps[rung])[:1]) for rung in self.rungs if self.maps.get(rung)), None)
+        if canary and self._ask(*canary) != "passed":
+            tail = self.log.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
+            raise MutateError(f"worker {self.dir.name}: {canary[1][0]} fails in a forked child of the unmutated tree "
+                              f"({tail[0]})")
 
     def close(self):
         if self.server is not None:
@@ -195,6 +203,9 @@ class Worker:
     def _rung(self, rung: str, ids: list[str]) -> str:
         if self.server is None or self.server.poll() is not None:
             self._start()
+        return self._ask(rung, ids)
+
+    def _ask(self, rung: str, ids: list[str]) -> str:
         args = [*ids, *_rung_args(rung, self.dir, self.backend, ["-x", "-p", "no:xdist", *self.extra])]
         self.server.stdin.write(json.dumps({"args": args, "timeout": self.timeout, "log": str(self.log)}) + "\n")
         self.server.stdin.flush()

@@ -31,9 +31,9 @@ import pytest
 
 import engine
 from engine.formats import get_format
-from fixtures.strategies import PAGE_BOUNDARY_LENGTHS, PagedCase
+from fixtures.strategies import PAGE_BOUNDARY_LENGTHS, PagedCase, quantizable_weight, rng_for
 from ladder.plugin import selected_formats
-from ladder.unit.test_ops import _check_attention, check_gate_up_silu, check_linear_residual, check_qkv_proj
+from ladder.unit.test_ops import _check_attention, _quantized, check_gate_up_silu, check_linear_residual, check_qkv_proj
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -71,14 +71,14 @@ def _in_features(fmt) -> list[int]:
     return sorted(sizes)
 
 
-def _check_linear(backend, fmt, op, T, in_f, rows, seed, case=""):
+def _check_linear(backend, fmt, op, T, in_f, rows, seed, case="", weights=None):
     """One quantized linear op at [T, in_f] -> `rows` outputs (gate_up_silu: `rows` = I)."""
     if op == "qkv_proj":
-        check_qkv_proj(backend, fmt, T, in_f, rows, seed, case)
+        check_qkv_proj(backend, fmt, T, in_f, rows, seed, case, weights)
     elif op == "gate_up_silu":
-        check_gate_up_silu(backend, fmt, T, in_f, rows, seed, case)
+        check_gate_up_silu(backend, fmt, T, in_f, rows, seed, case, weights)
     else:
-        check_linear_residual(backend, fmt, op, T, in_f, rows, seed, case)
+        check_linear_residual(backend, fmt, op, T, in_f, rows, seed, case, weights)
 
 
 @pytest.mark.parametrize("op", LINEAR_OPS)
@@ -125,14 +125,30 @@ def test_prefill_path_matches_reference_at_every_tile_edge(backend, quant_format
                 chosen[quant_format.name] = saved
 
 
-@pytest.mark.parametrize("T", (1, 64))
+_FULL_SIZE: dict = {}  # (backend, format, op) -> (backend weight, reference weight): the last one made
+
+
+def _full_size_weights(backend, fmt, op, in_f, rows):
+    """A 7B-shape weight and its float64 reading, made once for the decode and the prefill case (drawing,
+    quantizing and reading 135 M weights is most of such a case's time); one kept at a time (1 GB)."""
+    key = (backend.name, fmt.name, op)
+    if key not in _FULL_SIZE:
+        _FULL_SIZE.clear()
+        rng = rng_for(100 + LINEAR_OPS.index(op))
+        w = quantizable_weight(rng, 2 * rows if op == "gate_up_silu" else rows, in_f, scale=0.1 if op == "gate_up_silu" else 0.05)
+        _FULL_SIZE[key] = _quantized(backend, fmt, w)
+    return _FULL_SIZE[key]
+
+
+@pytest.mark.parametrize("T", (1, 64))  # T varies fastest: a format's two cases of an op run one after the other
 @pytest.mark.parametrize("op", LINEAR_OPS)
 def test_full_size_linears_match_reference(backend, quant_format, op, T):
     if not hasattr(backend, "gemv_config"):
         pytest.skip("full-size (7B) shapes run where GEMV variants are tuned; a float64 reference of them is slow on CPU")
     H, I, qkv = 3584, 18944, (28 + 2 * 4) * 128
     in_f, rows = {"qkv_proj": (H, qkv), "o_proj_residual": (28 * 128, H), "gate_up_silu": (H, I), "down_residual": (I, H)}[op]
-    _check_linear(backend, quant_format, op, T, in_f, rows, seed=T, case=",7B")
+    _check_linear(backend, quant_format, op, T, in_f, rows, seed=T, case=",7B",
+                  weights=_full_size_weights(backend, quant_format, op, in_f, rows))
 
 
 ATTENTION_VARIANTS = ("warp", "block")  # kernels/cuda/__init__.py ATTENTION_VARIANTS

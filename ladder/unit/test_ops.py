@@ -91,13 +91,13 @@ def test_rmsnorm_reads_rows_of_a_larger_buffer(backend, T, first):
 # --- quantized linears ---------------------------------------------------------------------------
 
 
-def check_qkv_proj(backend, fmt, T, in_f, out_f, seed, case=""):
-    """qkv_proj on [T, in_f] x [out_f, in_f] against ref_linear with the bias; also used by test_cuda_variants."""
+def check_qkv_proj(backend, fmt, T, in_f, out_f, seed, case="", weights=None):
+    """qkv_proj on [T, in_f] x [out_f, in_f] against ref_linear with the bias; also used by test_cuda_variants.
+    `weights`: (backend weight, float64 reference weight) made once for several cases (the 7B shapes)."""
     rng = rng_for(seed)
     x = fp16(rng, (T, in_f))
-    w = quantizable_weight(rng, out_f, in_f)
+    qw, wref = weights or _quantized(backend, fmt, quantizable_weight(rng, out_f, in_f))
     bias = fp16(rng, (out_f,), 0.5)
-    qw, wref = _quantized(backend, fmt, w)
     ref = ref_ops.ref_linear(x, wref, bias)
     plain = _round(ref_ops.ref_linear(x, wref, bias, dtype=F32), F16)
     out = sentinel(backend, (T, out_f), F16)
@@ -106,13 +106,12 @@ def check_qkv_proj(backend, fmt, T, in_f, out_f, seed, case=""):
                  case=f"T={T},in={in_f},out={out_f}{case}", seed=seed)
 
 
-def check_linear_residual(backend, fmt, op, T, in_f, out_f, seed, case=""):
+def check_linear_residual(backend, fmt, op, T, in_f, out_f, seed, case="", weights=None):
     """o_proj_residual / down_residual: residual += x W^T against the reference sum."""
     rng = rng_for(seed)
     x = fp16(rng, (T, in_f))
-    w = quantizable_weight(rng, out_f, in_f)
+    qw, wref = weights or _quantized(backend, fmt, quantizable_weight(rng, out_f, in_f))
     resid = (rng.standard_normal((T, out_f)) * 4).astype(F32)
-    qw, wref = _quantized(backend, fmt, w)
     ref = resid + ref_ops.ref_linear(x, wref)
     plain = resid + ref_ops.ref_linear(x, wref, dtype=F32)
     out = dev(backend, resid.copy())
@@ -121,12 +120,11 @@ def check_linear_residual(backend, fmt, op, T, in_f, out_f, seed, case=""):
                  case=f"T={T},in={in_f},out={out_f}{case}", seed=seed)
 
 
-def check_gate_up_silu(backend, fmt, T, H, inter, seed, case=""):
+def check_gate_up_silu(backend, fmt, T, H, inter, seed, case="", weights=None):
     """gate_up_silu on rows [gate; up] of [2 inter, H] against ref_gate_up_silu."""
     rng = rng_for(seed)
     x = fp16(rng, (T, H))
-    w = quantizable_weight(rng, 2 * inter, H, scale=0.1)  # rows [gate; up]
-    qw, wref = _quantized(backend, fmt, w)
+    qw, wref = weights or _quantized(backend, fmt, quantizable_weight(rng, 2 * inter, H, scale=0.1))  # rows [gate; up]
     ref = ref_ops.ref_gate_up_silu(x, wref[:inter], wref[inter:])
     plain = _round(ref_ops.ref_gate_up_silu(x, wref[:inter], wref[inter:], dtype=F32), F16)
     out = sentinel(backend, (T, inter), F16)
