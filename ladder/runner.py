@@ -222,11 +222,12 @@ def plan_launches(args, out: Path) -> Path | None:
     file when this run records one. The map is recorded where that costs nothing (CUDA launches; NumPy on
     Python 3.12+), with --record-launches, and when --changed finds none to read. With --changed REV
     the rungs run only the cases that launch kernel code changed since REV."""
-    from kernels import backend_names
+    from kernels import backend_names, backend_needs_device
     from ladder import launches
 
     backends = backend_names() if args.backend in (None, "all") else [args.backend]
-    free = launches.recording_is_free() or "numpy" not in backends
+    # a device backend's launches report themselves (kernels/base.py observe_launches): free to record
+    free = launches.recording_is_free() or all(backend_needs_device(b) for b in backends)
     record = args.record_launches or free
     path = launches.map_file(args.backend or "all", f"{args.model}|{args.prompts}|{args.quant}")
     args.launch_flags = []

@@ -1,6 +1,6 @@
 """The warm process behind each `nanoqwen mutate` worker: heavy imports once, one forked child per rung run.
 
-    python -m ladder.tools.forkserver BACKEND      (started by ladder/tools/mutate.py, in a copy of the tree)
+    python -m ladder.tools.forkserver      (started by ladder/tools/mutate.py, in a copy of the tree)
 
 A fresh pytest process per mutant and rung spends most of its time before the first test: about 7 s
 importing torch, transformers, Hypothesis and pytest on 2 cores, and on a GPU compiling every CUDA
@@ -29,14 +29,14 @@ import time
 
 PROJECT = ("engine", "kernels", "reference", "fixtures", "bench", "conftest")
 HEAVY = ("numpy", "torch", "transformers", "transformers.models.qwen2.modeling_qwen2", "safetensors.numpy",
-         "tokenizers", "hypothesis", "hypothesis.extra.numpy", "pytest", "_pytest.python", "_pytest.fixtures")
+         "tokenizers", "hypothesis", "hypothesis.extra.numpy", "pytest", "_pytest.python", "_pytest.fixtures",
+         "cupy")  # importing CuPy creates no CUDA context
 
 
-def preimport(backend: str) -> list[str]:
+def preimport() -> list[str]:
     """Import the heavy libraries (those not installed are left to the child); returns the ones imported."""
-    names = list(HEAVY) + (["cupy"] if backend == "cuda" else [])  # importing CuPy creates no CUDA context
     done = []
-    for name in names:
+    for name in HEAVY:
         try:
             __import__(name)
             done.append(name)
@@ -88,11 +88,10 @@ def run_child(args: list[str], timeout: float, log: str) -> dict:
         time.sleep(0.02)
 
 
-def main(argv: list[str]) -> int:
-    backend = argv[0] if argv else "numpy"
+def main() -> int:
     out = sys.stdout
     sys.stdout = sys.stderr  # anything the imports print must not reach the protocol stream
-    preimport(backend)
+    preimport()
     out.write(json.dumps({"ready": True}) + "\n")
     out.flush()
     for line in sys.stdin:
@@ -106,4 +105,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

@@ -149,7 +149,7 @@ class Worker:
         self.server = None
 
     def _start(self):
-        self.server = subprocess.Popen([sys.executable, "-m", "ladder.tools.forkserver", self.backend], cwd=self.dir,
+        self.server = subprocess.Popen([sys.executable, "-m", "ladder.tools.forkserver"], cwd=self.dir,
                                        env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                        start_new_session=True)
         ready = self.server.stdout.readline()
