@@ -180,3 +180,11 @@ def test_bad_mutate_arguments_are_one_line_and_exit_2(args, needle, tmp_path):
                        env=child_env("numpy"), timeout=120)
     assert r.returncode == 2, r.stderr
     assert r.stderr.count("\n") == 1 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_the_fork_server_refuses_to_hold_a_module_a_mutant_edits():
+    from ladder.tools.forkserver import preimport
+
+    assert "numpy" in preimport(["kernels/numpy/attention.py"])  # not imported by any library: fine
+    with pytest.raises(RuntimeError, match="which mutants edit"):
+        preimport(["numpy/__init__.py"])  # imported by the server itself: a child would see the old one

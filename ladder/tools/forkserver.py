@@ -1,6 +1,7 @@
 """The warm process behind each `nanoqwen mutate` worker: heavy imports once, one forked child per rung run.
 
-    python -m ladder.tools.forkserver      (started by ladder/tools/mutate.py, in a copy of the tree)
+    python -m ladder.tools.forkserver FILE...   (started by ladder/tools/mutate.py, in a copy of the tree,
+                                                 with the sources its mutants edit)
 
 A fresh pytest process per mutant and rung spends most of its time before the first test: about 7 s
 importing torch, transformers, Hypothesis and pytest on 2 cores, and on a GPU compiling every CUDA
@@ -11,8 +12,10 @@ that runs `pytest.main(args)` with its output in `log`, and answers one JSON lin
 killed with its whole process group.
 
 What must hold for a child to see the mutant:
-- No module of the project is imported here (checked after the imports): each child imports the
-  project from the copy of the tree, after the mutant was written into it. Bytecode is not written
+- No module a mutant edits is imported here (checked after the imports): each child imports it from
+  the copy of the tree, after the mutant was written into it. (A library may import a package of the
+  project by name: transformers imports a package called `kernels` where one is on the path, which
+  brings in kernels/__init__.py and kernels/base.py; those are not mutated.) Bytecode is not written
   (PYTHONDONTWRITEBYTECODE, set by mutate.py), so a stale .pyc can never stand in for the mutated source.
 - The device is never touched here: a CUDA context does not survive a fork. Each child creates its
   own; CuPy's on-disk kernel cache, which the workers share, hands it every module already compiled
@@ -27,14 +30,14 @@ import signal
 import sys
 import time
 
-PROJECT = ("engine", "kernels", "reference", "fixtures", "bench", "conftest")
 HEAVY = ("numpy", "torch", "transformers", "transformers.models.qwen2.modeling_qwen2", "safetensors.numpy",
          "tokenizers", "hypothesis", "hypothesis.extra.numpy", "pytest", "_pytest.python", "_pytest.fixtures",
          "cupy")  # importing CuPy creates no CUDA context
 
 
-def preimport() -> list[str]:
-    """Import the heavy libraries (those not installed are left to the child); returns the ones imported."""
+def preimport(mutated: list[str]) -> list[str]:
+    """Import the heavy libraries (those not installed are left to the child); returns the ones imported.
+    `mutated`: the sources (relative to the tree) the mutants edit; none of them may be imported here."""
     done = []
     for name in HEAVY:
         try:
@@ -42,9 +45,10 @@ def preimport() -> list[str]:
             done.append(name)
         except Exception:  # noqa: BLE001 - a library the rungs do not need here; the child will say so if it does
             pass
-    loaded = sorted(m for m in sys.modules if m.split(".")[0] in PROJECT)
+    modules = {rel[:-len(".py")].replace("/", ".").removesuffix(".__init__") for rel in mutated if rel.endswith(".py")}
+    loaded = sorted(modules & set(sys.modules))
     if loaded:
-        raise RuntimeError(f"the fork server imported project modules {loaded[:5]}: children would not see a mutant")
+        raise RuntimeError(f"the fork server imported {loaded[:5]}, which mutants edit: children would not see them")
     return done
 
 
@@ -88,10 +92,10 @@ def run_child(args: list[str], timeout: float, log: str) -> dict:
         time.sleep(0.02)
 
 
-def main() -> int:
+def main(mutated: list[str]) -> int:
     out = sys.stdout
     sys.stdout = sys.stderr  # anything the imports print must not reach the protocol stream
-    preimport()
+    preimport(mutated)
     out.write(json.dumps({"ready": True}) + "\n")
     out.flush()
     for line in sys.stdin:
@@ -105,4 +109,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

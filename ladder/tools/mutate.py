@@ -133,8 +133,9 @@ class Worker:
     and the file is restored."""
 
     def __init__(self, base: Path, index: int, backend: str, rungs, timeout: float, extra: list[str],
-                 maps: dict[str, dict], env: dict):
+                 maps: dict[str, dict], env: dict, files: list[str]):
         self.dir = base / f"w{index}"
+        self.files = sorted(files)  # the sources the mutants edit: the fork server must not import them
         for name in TREE:
             src = ROOT / name
             if src.is_dir():
@@ -149,7 +150,7 @@ class Worker:
         self.server = None
 
     def _start(self):
-        self.server = subprocess.Popen([sys.executable, "-m", "ladder.tools.forkserver"], cwd=self.dir,
+        self.server = subprocess.Popen([sys.executable, "-m", "ladder.tools.forkserver", *self.files], cwd=self.dir,
                                        env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                        start_new_session=True)
         ready = self.server.stdout.readline()
@@ -240,7 +241,8 @@ def run(mutants: list[Mutant], backend: str, rungs, jobs: int, timeout: float, e
         env = child_env(backend, pythonpath=str(ROOT), CUPY_CACHE_DIR=str(Path(tmp) / "cupy-cache"),
                         HYPOTHESIS_STORAGE_DIRECTORY=str(Path(tmp) / "hypothesis-clean"))
         maps = clean_run(backend, rungs, jobs, extra, env, Path(tmp), log)
-        workers = [Worker(Path(tmp), i, backend, rungs, timeout, extra, maps, env)
+        files = sorted({m.file for m in mutants})
+        workers = [Worker(Path(tmp), i, backend, rungs, timeout, extra, maps, env, files)
                    for i in range(max(1, min(jobs, len(mutants))))]
         free = list(workers)
         t0 = time.perf_counter()
