@@ -266,6 +266,9 @@ def run(mutants: list[Mutant], backend: str, rungs, jobs: int, timeout: float, e
         finally:
             for w in workers:
                 w.close()
+        wall = time.perf_counter() - t0
+        log(f"{len(results)} mutants in {wall:.0f} s of wall time with {len(workers)} workers: "
+            f"{wall / max(1, len(results)):.2f} s per mutant")
     results.sort(key=lambda r: (r["file"], r["start"], r["replacement"]))
     return results
 
