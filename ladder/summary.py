@@ -64,14 +64,16 @@ class RunSummary:
         self.total: int | None = None  # tests to run, where the collection says (progress lines)
         self.order: list[str] = []  # node ids in collection order (the launch map keeps it)
         self.launches: dict[str, list[str]] = {}  # node id -> kernel units it launched (--record-launches)
+        self.case_seconds: Counter = Counter()  # node id -> seconds of its setup and call
         self.finished = 0
         self.started = time.monotonic()
         self.last_progress = self.started
 
     def add(self, report, rung: str):
         if report.when in ("setup", "call"):  # a slow setup is a fixture (a model load, the graph rung's bounds)
-            self.durations.append((float(getattr(report, "duration", 0.0) or 0.0),
-                                   report.nodeid + (" [setup]" if report.when == "setup" else "")))
+            seconds = float(getattr(report, "duration", 0.0) or 0.0)
+            self.durations.append((seconds, report.nodeid + (" [setup]" if report.when == "setup" else "")))
+            self.case_seconds[report.nodeid] += seconds
         if report.when == "call" or (report.when != "call" and report.failed) or (report.when == "setup" and report.skipped):
             outcome = report.outcome
             self.counts[rung][outcome] += 1
@@ -133,7 +135,8 @@ class RunSummary:
             "unsupported": [{"backend": b, "format": f, "tests": n} for (b, f), n in sorted(self.unsupported.items())],
             "shard": self.shard,
             "slowest": [{"seconds": d, "test": n} for d, n in sorted(self.durations, reverse=True)[:SLOWEST]],
-            **({"launches": self.launch_map()} if self.launches else {}),
+            **({"launches": self.launch_map(),
+                "case_seconds": {n: round(self.case_seconds[n], 3) for n in self.launches}} if self.launches else {}),
         }
 
     def launch_map(self) -> dict[str, list[str]]:

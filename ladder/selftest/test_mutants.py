@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -188,3 +189,27 @@ def test_the_fork_server_refuses_to_hold_a_module_a_mutant_edits():
     assert "numpy" in preimport(["kernels/numpy/attention.py"])  # not imported by any library: fine
     with pytest.raises(RuntimeError, match="which mutants edit"):
         preimport(["numpy/__init__.py"])  # imported by the server itself: a child would see the old one
+
+
+def test_a_run_past_its_timeout_is_killed_with_its_process_group(tmp_path):
+    from ladder.tools.forkserver import run_child
+
+    test = tmp_path / "test_hang.py"
+    test.write_text("import subprocess, time\n\ndef test_hangs():\n"
+                    "    subprocess.Popen(['sleep', '300'])  # a grandchild: killed with the group\n    time.sleep(300)\n")
+    t0 = time.monotonic()
+    res = run_child([str(test), "-q", "-p", "no:cacheprovider", "-c", "/dev/null"], 2.0, str(tmp_path / "log"))
+    assert res == {"exit": None, "timed_out": True} and time.monotonic() - t0 < 30
+    assert run_child([str(test), "-q", "-p", "no:cacheprovider", "-c", "/dev/null", "--collect-only"], 60.0,
+                     str(tmp_path / "log")) == {"exit": 0}
+
+
+def test_the_automatic_timeout_grows_with_what_the_cases_cost_in_the_clean_run():
+    from ladder.tools.mutate import HANG_FACTOR, START_ALLOWANCE, Worker
+
+    w = Worker.__new__(Worker)  # no copy of the tree: only the timeout rule
+    w.timeout, w.seconds = None, {"graph": {"a": 2.0, "b": 3.0}}
+    assert w.timeout_for("graph", ["a", "b"]) == START_ALLOWANCE + HANG_FACTOR * 5.0
+    assert w.timeout_for("graph", ["a", "unknown"]) == START_ALLOWANCE + HANG_FACTOR * 3.0  # an unknown case: 1 s
+    w.timeout = 7.0
+    assert w.timeout_for("graph", ["a", "b"]) == 7.0

@@ -15,7 +15,8 @@ rung run; on CUDA the children share one kernel cache, so a mutant costs the com
 Outcomes:
 
 - `killed` (a rung failed, or could not collect: an import that breaks is noticed too),
-- `survived`, `timed_out` (past --timeout: counted as detected, as a hang would be),
+- `survived`, `timed_out` (past --timeout, by default 60 s plus three times what the same cases took in
+  the clean run: counted as detected, as a hang would be),
 - `did_not_compile` (a Python mutant that no longer parses, a CUDA mutant NVRTC refuses): not scored,
 - `not_launched`: no case of the rungs run launches the mutated function; not run, not scored, listed,
 - `equivalent`: on the reviewed list of ladder/tools/equivalent_mutants.json (a signature and the reason
@@ -55,6 +56,7 @@ EQUIVALENT_FILE = Path(__file__).resolve().parent / "equivalent_mutants.json"
 TREE = ("engine", "kernels", "ladder", "reference", "fixtures", "bench", "conftest.py", "pyproject.toml")
 DEFAULT_FILES = {"numpy": ("kernels/numpy/*.py",), "cuda": ("kernels/cuda/*.cu", "kernels/cuda/*.cuh")}
 DETECTED = ("killed", "timed_out")
+START_ALLOWANCE, HANG_FACTOR = 60.0, 3.0  # the automatic timeout: 60 s + 3x the clean run's time for the cases
 
 
 class MutateArgumentError(NanoqwenError):
@@ -106,10 +108,11 @@ def _rung_args(rung: str, root: Path, backend: str, extra: list[str]) -> list[st
             "--strict-markers", "-p", "no:cacheprovider", "--backend", backend, *extra]
 
 
-def clean_run(backend: str, rungs, jobs: int, extra: list[str], env: dict, folder: Path, log=print) -> dict[str, dict]:
-    """Each rung once on the unmutated tree, recording the launch map (ladder/launches.py): rung -> node id ->
-    the kernel units the case launches. A rung that is red here makes every verdict meaningless: MutateError."""
-    maps = {}
+def clean_run(backend: str, rungs, jobs: int, extra: list[str], env: dict, folder: Path, log=print) -> tuple[dict, dict]:
+    """Each rung once on the unmutated tree, recording the launch map (ladder/launches.py). Returns (maps,
+    seconds): rung -> node id -> the kernel units the case launches, and -> the seconds it took. A rung that
+    is red here makes every verdict meaningless: MutateError."""
+    maps, seconds = {}, {}
     for rung in rungs:
         out = folder / f"clean-{rung}.json"
         cmd = [sys.executable, "-m", "pytest", str(ROOT / "ladder" / rung), *_rung_args(rung, ROOT, backend, extra),
@@ -123,8 +126,9 @@ def clean_run(backend: str, rungs, jobs: int, extra: list[str], env: dict, folde
                               f"a mutant's verdict would mean nothing")
         data = json.loads(out.read_text()) if out.exists() else {}
         maps[rung] = data.get("launches", {})
+        seconds[rung] = data.get("case_seconds", {})
         log(f"clean {rung} rung: {len(maps[rung])} cases, {time.perf_counter() - t0:.0f} s (the launch map)")
-    return maps
+    return maps, seconds
 
 
 class Worker:
@@ -133,7 +137,7 @@ class Worker:
     and the file is restored."""
 
     def __init__(self, base: Path, index: int, backend: str, rungs, timeout: float, extra: list[str],
-                 maps: dict[str, dict], env: dict, files: list[str]):
+                 maps: dict[str, dict], seconds: dict[str, dict], env: dict, files: list[str]):
         self.dir = base / f"w{index}"
         self.files = sorted(files)  # the sources the mutants edit: the fork server must not import them
         for name in TREE:
@@ -144,6 +148,7 @@ class Worker:
                 self.dir.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(src, self.dir / name)
         self.backend, self.rungs, self.timeout, self.extra, self.maps = backend, rungs, timeout, extra, maps
+        self.seconds = seconds  # rung -> node id -> its seconds in the clean run (the automatic timeout)
         self.env = {**env, "PYTHONPATH": str(self.dir), "PYTHONDONTWRITEBYTECODE": "1",
                     "HYPOTHESIS_STORAGE_DIRECTORY": str(self.dir / ".hypothesis")}
         self.log = self.dir / "rung.log"
@@ -206,9 +211,17 @@ class Worker:
             self._start()
         return self._ask(rung, ids)
 
+    def timeout_for(self, rung: str, ids: list[str]) -> float:
+        """--timeout where given; else a hang is a run past 3x the clean run's time for the same cases plus a
+        start-up allowance (imports, collection, the mutated module's compile)."""
+        if self.timeout is not None:
+            return self.timeout
+        clean = self.seconds.get(rung, {})
+        return START_ALLOWANCE + HANG_FACTOR * sum(clean.get(n, 1.0) for n in ids)
+
     def _ask(self, rung: str, ids: list[str]) -> str:
         args = [*ids, *_rung_args(rung, self.dir, self.backend, ["-x", "-p", "no:xdist", *self.extra])]
-        self.server.stdin.write(json.dumps({"args": args, "timeout": self.timeout, "log": str(self.log)}) + "\n")
+        self.server.stdin.write(json.dumps({"args": args, "timeout": self.timeout_for(rung, ids), "log": str(self.log)}) + "\n")
         self.server.stdin.flush()
         answer = self.server.stdout.readline()
         if not answer:  # the server itself died (a mutant cannot reach it: it runs in the child)
@@ -240,9 +253,9 @@ def run(mutants: list[Mutant], backend: str, rungs, jobs: int, timeout: float, e
         # and a worker's child then compiles only the module its mutant changed.
         env = child_env(backend, pythonpath=str(ROOT), CUPY_CACHE_DIR=str(Path(tmp) / "cupy-cache"),
                         HYPOTHESIS_STORAGE_DIRECTORY=str(Path(tmp) / "hypothesis-clean"))
-        maps = clean_run(backend, rungs, jobs, extra, env, Path(tmp), log)
+        maps, seconds = clean_run(backend, rungs, jobs, extra, env, Path(tmp), log)
         files = sorted({m.file for m in mutants})
-        workers = [Worker(Path(tmp), i, backend, rungs, timeout, extra, maps, env, files)
+        workers = [Worker(Path(tmp), i, backend, rungs, timeout, extra, maps, seconds, env, files)
                    for i in range(max(1, min(jobs, len(mutants))))]
         free = list(workers)
         t0 = time.perf_counter()
@@ -435,7 +448,8 @@ def register(subparsers) -> None:
     m.add_argument("--rungs", default="unit,layer,graph", help="rungs to run, cheapest first (default unit,layer,graph)")
     m.add_argument("-j", "--jobs", type=_positive, default=max(1, (os.cpu_count() or 2) // 2), metavar="N",
                    help="parallel workers, each with its own copy of the tree (default: half the cores)")
-    m.add_argument("--timeout", type=float, default=900.0, metavar="SECONDS", help="per rung and mutant (default 900)")
+    m.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                   help="per rung and mutant (default: 60 s plus 3x the clean run's time for the cases the mutant runs)")
     m.add_argument("--report", metavar="DIR", help="report folder (default reports/mutate-TIMESTAMP)")
     m.add_argument("--baseline", metavar="DIR", help="an earlier report folder to compare with")
     m.add_argument("--rerun", metavar="DIR", help="run only the mutants that survived in an earlier report (after "
