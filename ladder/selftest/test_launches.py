@@ -216,7 +216,7 @@ def test_changed_reads_functions_from_the_diff_and_runs_everything_outside_the_k
     patterns, what = launches.changed_patterns("HEAD", project_repo)
     assert patterns == ["kernels/numpy/attention.py::paged_attention"] and what == ["kernels/numpy/attention.py::paged_attention"]
     (project_repo / "docs").mkdir()
-    (project_repo / "docs" / "NOTE.md").write_text("a note\n")  # documentation changes no case
+    (project_repo / "docs" / "notes.txt").write_text("a note\n")  # documentation changes no case
     assert launches.changed_patterns("HEAD", project_repo)[0] == patterns
     engine = project_repo / "engine" / "block.py"
     engine.write_text(engine.read_text() + "\n")

@@ -193,23 +193,21 @@ class Worker:
         cases = sum(len(ids) for _, ids in plan)
         if not cases:  # no case of the selected rungs runs this code: nothing could see the mutant
             return {"outcome": "not_launched", "rung": None, "seconds": 0.0, "cases": 0}
+        if self.server is None or self.server.poll() is not None:
+            self._start()  # before the mutant is written: the canary runs on the unmutated copy
         path.write_text(mutated)
         t0 = time.perf_counter()
         try:
             for rung, ids in plan:
                 if not ids:
                     continue
-                outcome = self._rung(rung, ids)
+                outcome = self._ask(rung, ids)
                 if outcome != "passed":
                     return {"outcome": outcome, "rung": rung, "seconds": round(time.perf_counter() - t0, 2), "cases": cases}
             return {"outcome": "survived", "rung": None, "seconds": round(time.perf_counter() - t0, 2), "cases": cases}
         finally:
             path.write_text(original)
 
-    def _rung(self, rung: str, ids: list[str]) -> str:
-        if self.server is None or self.server.poll() is not None:
-            self._start()
-        return self._ask(rung, ids)
 
     def timeout_for(self, rung: str, ids: list[str]) -> float:
         """--timeout where given; else a hang is a run past 3x the clean run's time for the same cases plus a
