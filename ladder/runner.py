@@ -261,6 +261,8 @@ def keep_launches(results: dict, out: Path, path: Path) -> None:
     from ladder import launches
 
     cases = {n: u for r in results.values() for n, u in r.pop("launches", {}).items()}
+    for r in results.values():
+        r.pop("case_seconds", None)  # mutate's timeouts read it from the rung JSON; the report need not
     if cases:
         (out / "launches.json").write_text(json.dumps(cases, indent=0))
         launches.keep_map(path, cases)
