@@ -272,6 +272,7 @@ def _rung_of(item) -> str | None:
     return rel.parts[0] if rel.parts and rel.parts[0] in ROWS else None
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the xdist_group markers added here
 def pytest_collection_modifyitems(config, items):
     spec = config.getoption("--shard")
     if spec:  # every worker (and a run without workers) keeps the same shard: a hash of the node id
@@ -303,9 +304,10 @@ def pytest_collection_modifyitems(config, items):
         if name is not None and backend_needs_device(name):
             item.add_marker(pytest.mark.gpu)
         quant = callspec.params.get("quant_name") if callspec is not None else None
-        if quant is not None and len(formats) > 1 and grouped:
-            # With `--dist loadgroup` (nanoqwen ladder passes it) a format's cases stay on one worker, which
-            # builds its model and reference once instead of at every switch between formats.
+        if quant is not None and len(formats) > 1 and grouped and "model_path" in item.fixturenames:
+            # With `--dist loadgroup` (nanoqwen ladder passes it) a format's model-bound cases stay on one
+            # worker, which builds its model and reference once instead of at every switch between formats.
+            # The other cases (the unit rung's) spread over every worker.
             item.add_marker(pytest.mark.xdist_group(f"{quant}-{name}"))
 
 

@@ -73,7 +73,7 @@ class RunSummary:
         if report.when in ("setup", "call"):  # a slow setup is a fixture (a model load, the graph rung's bounds)
             seconds = float(getattr(report, "duration", 0.0) or 0.0)
             self.durations.append((seconds, report.nodeid + (" [setup]" if report.when == "setup" else "")))
-            self.case_seconds[report.nodeid] += seconds
+            self.case_seconds[case_id(report.nodeid)] += seconds
         if report.when == "call" or (report.when != "call" and report.failed) or (report.when == "setup" and report.skipped):
             outcome = report.outcome
             self.counts[rung][outcome] += 1
@@ -99,7 +99,7 @@ class RunSummary:
             elif key == "nanoqwen_graph_bounds" and value not in self.graph_bounds:
                 self.graph_bounds.append(value)
             elif key == "nanoqwen_launches":
-                self.launches[report.nodeid] = value
+                self.launches[case_id(report.nodeid)] = value
 
     def progress(self) -> str | None:
         """A progress line every PROGRESS_SECONDS (long rungs: the graph rung on a GPU runs for many
@@ -156,6 +156,13 @@ class RunSummary:
         return [judge_flips(g) for g in self.graph_summaries()]
 
 
+def case_id(nodeid: str) -> str:
+    """A node id without the `@group` suffix pytest-xdist gives it under `--dist loadgroup`: the launch map
+    is read by runs with and without workers (`nanoqwen mutate` runs each mutant's cases in one process)."""
+    head, at, group = nodeid.rpartition("@")
+    return head if at and not any(c in group for c in "[]:/") else nodeid
+
+
 _CONFIG: dict = {}  # the session's config, for hooks that are not handed it
 PROGRESS_SECONDS = float(os.environ.get("NANOQWEN_PROGRESS_SECONDS", "60"))  # between progress lines
 
@@ -177,7 +184,7 @@ def pytest_runtest_logreport(report):
 def pytest_collection_finish(session):
     if not is_worker(session.config):  # without workers, this process collected everything
         session.config._nanoqwen.total = len(session.items)
-        session.config._nanoqwen.order = [item.nodeid for item in session.items]
+        session.config._nanoqwen.order = [case_id(item.nodeid) for item in session.items]
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -186,7 +193,7 @@ def pytest_xdist_node_collection_finished(node, ids):
     config = _CONFIG.get("config")
     if config is not None and config._nanoqwen.total is None:
         config._nanoqwen.total = len(ids)
-        config._nanoqwen.order = list(ids)
+        config._nanoqwen.order = [case_id(n) for n in ids]
 
 
 def pytest_sessionfinish(session, exitstatus):
