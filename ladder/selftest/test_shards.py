@@ -10,6 +10,7 @@ line and exit 2, on hand-made report folders.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import shutil
 import subprocess
@@ -183,8 +184,12 @@ def _junit_cases(folder: Path, rung: str) -> list[str]:
 
 @skip_inside_nested_run
 def test_three_shards_merge_to_the_report_of_one_run(tmp_path):
-    whole = _ladder(tmp_path, "whole")
-    shards = [_ladder(tmp_path, f"shard{i}", "--shard", f"{i}/3") for i in (1, 2, 3)]
+    # The whole run and the three shards at once, as the machines of a sharded nightly would run them
+    # (each is a few pytest processes that mostly wait on their start-up).
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        runs = [pool.submit(_ladder, tmp_path, "whole")]
+        runs += [pool.submit(_ladder, tmp_path, f"shard{i}", "--shard", f"{i}/3") for i in (1, 2, 3)]
+        whole, *shards = [r.result() for r in runs]
     ran = [{r: v.get("passed", 0) + v.get("failed", 0) + v.get("skipped", 0) for r, v in s["rungs"].items()} for s in shards]
     assert all(sum(r.values()) > 0 for r in ran), f"a shard ran nothing: {ran}"  # the split spread the tests
     proc = nanoqwen("ladder", "merge", *(str(tmp_path / f"shard{i}") for i in (3, 1, 2)),  # any order
