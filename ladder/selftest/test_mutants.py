@@ -213,3 +213,39 @@ def test_the_automatic_timeout_grows_with_what_the_cases_cost_in_the_clean_run()
     assert w.timeout_for("graph", ["a", "unknown"]) == START_ALLOWANCE + HANG_FACTOR * 3.0  # an unknown case: 1 s
     w.timeout = 7.0
     assert w.timeout_for("graph", ["a", "b"]) == 7.0
+
+
+def _report(outcomes: dict[str, str]) -> dict:
+    return {"mutants": [{"signature": sig, "outcome": o} for sig, o in outcomes.items()], "summary": {"files": {}}}
+
+
+def test_a_run_weaker_than_its_baseline_is_a_regression_and_a_stronger_one_is_not():
+    from ladder.tools.mutate import compare, regressions
+
+    base = _report({"a": "killed", "b": "survived", "c": "timed_out", "d": "killed"})
+    for outcomes, lost in [({"a": "killed", "b": "killed", "c": "timed_out", "d": "killed"}, []),  # stronger
+                           ({"a": "survived", "b": "killed", "c": "timed_out", "d": "killed"}, ["a"]),
+                           ({"a": "killed", "b": "survived", "c": "not_launched", "d": "killed"}, ["c"])]:
+        run = _report(outcomes)
+        run["baseline"] = compare(run, base)
+        assert run["baseline"]["newly_surviving"] == lost
+        assert bool(regressions(run)) == bool(lost), regressions(run)
+    run = _report({"a": "survived", "b": "survived", "c": "timed_out", "d": "killed"})
+    run["baseline"] = compare(run, base)
+    assert any("score over the 4 mutants" in line for line in regressions(run))  # 2 of 4 against 3 of 4
+
+
+@skip_inside_nested_run
+def test_mutate_exits_1_when_weaker_than_its_baseline(tmp_path):
+    # an attention mutant, where only rope cases run: no case launches it, and the claimed baseline killed it
+    lost = next(m for m in mutants_of(ROOT, "kernels/numpy/attention.py") if m.function == "paged_attention")
+    for name, outcome in (("earlier", "survived"), ("claimed", "killed")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "mutate.json").write_text(json.dumps(_report({lost.signature: outcome})))
+    r = subprocess.run([sys.executable, "-m", "ladder", "mutate", "--files", "kernels/numpy/attention.py", "--rungs", "unit",
+                        "-j", "1", "--rerun", str(tmp_path / "earlier"), "--baseline", str(tmp_path / "claimed"),
+                        "--report", str(tmp_path / "now"), "--", "-k", "test_ops and rope"],
+                       cwd=tmp_path, capture_output=True, text=True, env=child_env("numpy"), timeout=600)
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
+    assert f"REGRESSION killed in the baseline, no longer launched here: {lost.signature}" in r.stderr
+    assert json.loads((tmp_path / "now" / "mutate.json").read_text())["baseline"]["newly_surviving"] == [lost.signature]

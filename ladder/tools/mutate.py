@@ -26,7 +26,9 @@ The score is (killed + timed_out) / (killed + timed_out + survived). The copies'
 nested-run mark (ladder/nested.py), so tests that start ladders of their own skip instead of recursing. The report
 folder gets `mutate.json` and `mutate.md`: per file and per kernel function, the counts and the score;
 every survivor with file:line and its edit; with `--baseline DIR`, the score change per file and the
-mutants killed there that survive here. `--rerun DIR` runs only the survivors of an earlier report:
+mutants killed there that survive here, and the command exits 1 when the run is weaker than its
+baseline (a mutant it detected is lost, or the score over the mutants both scored is lower): the
+nightly and weekly jobs' gate. `--rerun DIR` runs only the survivors of an earlier report:
 the check that a strengthened rung now kills them.
 """
 
@@ -309,14 +311,42 @@ def compare(current: dict, baseline: dict) -> dict:
     """Per file, the score here and in the baseline; the mutants the baseline killed that survive here,
     and those it let survive that are killed here."""
     old = {r["signature"]: r["outcome"] for r in baseline.get("mutants", [])}
-    regressed = [r for r in current["mutants"] if r["outcome"] == "survived" and old.get(r["signature"]) in DETECTED]
+    # A mutant the baseline detected that survives here, or that no case launches any more (its cases
+    # stopped running that code): the rungs lost it.
+    regressed = [r for r in current["mutants"] if r["outcome"] in ("survived", "not_launched")
+                 and old.get(r["signature"]) in DETECTED]
     fixed = [r for r in current["mutants"] if r["outcome"] in DETECTED and old.get(r["signature"]) == "survived"]
     files = {}
     for f, row in current["summary"]["files"].items():
         before = baseline.get("summary", {}).get("files", {}).get(f, {}).get("score")
         files[f] = {"score": row["score"], "baseline": before}
+    # The score over the mutants both runs scored: the same seed draws the same sample while the sources
+    # keep their signatures, so this compares like with like (a whole-run score would not, across samples).
+    both = [(old[r["signature"]], r["outcome"]) for r in current["mutants"]
+            if old.get(r["signature"]) in (*DETECTED, "survived") and r["outcome"] in (*DETECTED, "survived", "not_launched")]
+    share = lambda i: sum(pair[i] in DETECTED for pair in both) / len(both) if both else None  # noqa: E731
     return {"files": files, "newly_surviving": [r["signature"] for r in regressed],
-            "newly_killed": [r["signature"] for r in fixed]}
+            "newly_killed": [r["signature"] for r in fixed],
+            "common": {"mutants": len(both), "baseline_score": share(0), "score": share(1)}}
+
+
+def regressions(report: dict) -> list[str]:
+    """Why the run is worse than its baseline: each mutant the baseline detected that is lost here, and a
+    lower score over the mutants both scored. Empty: as strong as the baseline, or stronger."""
+    b = report.get("baseline")
+    if not b:
+        return []
+    lines = [f"killed in the baseline, {'survives' if _outcome(report, sig) == 'survived' else 'no longer launched'} "
+             f"here: {sig}" for sig in b["newly_surviving"]]
+    c = b.get("common", {})
+    if c.get("score") is not None and c["score"] < c["baseline_score"]:
+        lines.append(f"score over the {c['mutants']} mutants both runs scored: {_pct(c['score'])}, "
+                     f"baseline {_pct(c['baseline_score'])}")
+    return lines
+
+
+def _outcome(report: dict, signature: str) -> str | None:
+    return next((r["outcome"] for r in report["mutants"] if r["signature"] == signature), None)
 
 
 def _pct(x) -> str:
@@ -351,7 +381,11 @@ def markdown(report: dict) -> str:
         b = report["baseline"]
         lines += ["", "## Against the baseline", "", "| file | score | baseline |", "| --- | --- | --- |"]
         lines += [f"| {f} | {_pct(r['score'])} | {_pct(r['baseline'])} |" for f, r in b["files"].items()]
-        lines += ["", f"Killed in the baseline, surviving here: {len(b['newly_surviving'])}", ""]
+        c = b.get("common", {})
+        if c.get("mutants"):
+            lines += ["", f"Over the {c['mutants']} mutants both runs scored: {_pct(c['score'])} here, "
+                          f"{_pct(c['baseline_score'])} in the baseline."]
+        lines += ["", f"Detected in the baseline, lost here (surviving, or no longer launched): {len(b['newly_surviving'])}", ""]
         lines += [f"- `{sig}`" for sig in b["newly_surviving"]]
         lines += ["", f"Surviving in the baseline, killed here: {len(b['newly_killed'])}", ""]
         lines += [f"- `{sig}`" for sig in b["newly_killed"]]
@@ -419,6 +453,12 @@ def _run(args) -> int:
     print(f"score {_pct(t['score'])}: {t['killed']} killed, {t['timed_out']} timed out, {t['survived']} survived, "
           f"{t['did_not_compile']} did not compile, {t['not_launched']} not launched, {t['equivalent']} reviewed "
           f"equivalents; {sum(run_s) / max(1, len(results)):.1f} s of worker time per mutant; report in {out}")
+    worse = regressions(report)
+    for line in worse[:20]:
+        print(f"REGRESSION {line}", file=sys.stderr)
+    if worse:
+        print(f"nanoqwen mutate: weaker than the baseline {args.baseline} ({len(worse)} regression(s))", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -449,7 +489,8 @@ def register(subparsers) -> None:
     m.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                    help="per rung and mutant (default: 60 s plus 3x the clean run's time for the cases the mutant runs)")
     m.add_argument("--report", metavar="DIR", help="report folder (default reports/mutate-TIMESTAMP)")
-    m.add_argument("--baseline", metavar="DIR", help="an earlier report folder to compare with")
+    m.add_argument("--baseline", metavar="DIR", help="an earlier report folder to compare with; exit 1 when a mutant "
+                   "it detected is lost here, or the score over the mutants both scored is lower")
     m.add_argument("--rerun", metavar="DIR", help="run only the mutants that survived in an earlier report (after "
                    "strengthening the rungs); with --baseline DIR too, the report shows which are now killed")
     m.add_argument("--list", action="store_true", help="list the chosen mutants and stop")
