@@ -2,17 +2,17 @@
 
 A *unit* is the smallest piece of kernel code a run can tell apart:
 
-- numpy: a function of kernels/numpy, `kernels/numpy/attention.py::paged_attention_decode` (the file and
+- numpy: a function of kernels/numpy, `kernels/numpy/attention.py::paged_attention` (the file and
   the name of the code object that ran; a nested function counts under its own name);
-- cuda: an entry point, `kernels/cuda::int4_sym_gemv_rows` (`extern "C" __global__`; entry-point names
+- cuda: an entry point, `kernels/cuda::int4_gemv_bias_f16_t128_r8` (`extern "C" __global__`; names
   are global across the modules, kernels/cuda/loader.py).
 
 While a rung runs with recording on (`--record-launches`), every case gets the units launched in its
 setup, call and teardown, those launched while any fixture it uses was set up (a model built during one
 case and used by the next counts for both), and those launched outside every case before it (the
-import-time code of a module imported while collecting). The rung's JSON
-holds the map (node id -> units, in collection order); `nanoqwen ladder` keeps it per backend and model
-in the cache, `launch-maps/`.
+import-time code of a module imported while collecting). The rung's JSON holds the map (node id, without
+pytest-xdist's `@group` suffix, -> units, in collection order); `nanoqwen ladder` keeps it per backend
+and model in the cache, `launch-maps/`.
 
 Two commands read it. `nanoqwen mutate` runs, for each mutant, only the cases that launch the mutated
 function; `nanoqwen ladder --changed REV` runs only the cases that launch a function changed since REV
