@@ -63,6 +63,8 @@ MARKERS = {
     "graph": "greedy tokens of the whole model against the HF simulation",
     "selftest": "the ladder's own commands and judges, not the engine (ladder/selftest/; not a rung of nanoqwen ladder)",
     "gpu": "needs a CUDA GPU (skipped with a reason elsewhere)",
+    "same_worker": "same_worker(*params): the cases of this test that share these parameters run on one "
+                   "pytest-xdist worker, one after the other (they share something costly to build)",
 }
 
 
@@ -309,6 +311,10 @@ def pytest_collection_modifyitems(config, items):
             # worker, which builds its model and reference once instead of at every switch between formats.
             # The other cases (the unit rung's) spread over every worker.
             item.add_marker(pytest.mark.xdist_group(f"{quant}-{name}"))
+        pair = item.get_closest_marker("same_worker")
+        if pair is not None and callspec is not None and grouped:
+            key = "-".join(str(callspec.params.get(p)) for p in pair.args)
+            item.add_marker(pytest.mark.xdist_group(f"{item.originalname}-{key}"))
 
 
 # --- fixtures ------------------------------------------------------------------------------------

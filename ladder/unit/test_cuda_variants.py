@@ -140,6 +140,7 @@ def _full_size_weights(backend, fmt, op, in_f, rows):
     return _FULL_SIZE[key]
 
 
+@pytest.mark.same_worker("backend_name", "quant_name", "op")  # decode and prefill: one weight, one worker
 @pytest.mark.parametrize("T", (1, 64))  # T varies fastest: a format's two cases of an op run one after the other
 @pytest.mark.parametrize("op", LINEAR_OPS)
 def test_full_size_linears_match_reference(backend, quant_format, op, T):
