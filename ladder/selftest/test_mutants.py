@@ -13,7 +13,6 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -149,7 +148,7 @@ def test_a_caught_mutant_is_killed_and_a_harmless_one_survives():
 
 @skip_inside_nested_run
 def test_a_mutant_in_code_no_case_launches_is_not_run_and_not_scored():
-    from ladder.tools.mutate import summarize
+    from ladder.tools.mutate_report import summarize
 
     idle = next(m for m in mutants_of(ROOT, "kernels/numpy/attention.py") if m.function == "paged_attention")
     results = run([idle], "numpy", ["unit"], jobs=1, timeout=600, extra=["-k", "test_ops and rope"], log=lambda s: None)
@@ -220,7 +219,7 @@ def _report(outcomes: dict[str, str]) -> dict:
 
 
 def test_a_run_weaker_than_its_baseline_is_a_regression_and_a_stronger_one_is_not():
-    from ladder.tools.mutate import compare, regressions
+    from ladder.tools.mutate_report import compare, regressions
 
     base = _report({"a": "killed", "b": "survived", "c": "timed_out", "d": "killed"})
     for outcomes, lost in [({"a": "killed", "b": "killed", "c": "timed_out", "d": "killed"}, []),  # stronger

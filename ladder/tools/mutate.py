@@ -44,11 +44,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter, defaultdict
 from pathlib import Path
 
 from engine.errors import NanoqwenError
 from ladder.launches import patterns_for, select
+from ladder.tools.mutate_report import _pct, compare, markdown, regressions, summarize
 from ladder.tools.mutants import Mutant, compiles, mutants_of
 
 ROOT = Path(__file__).resolve().parents[2]  # the folder that holds the project's packages
@@ -57,7 +57,6 @@ EQUIVALENT_FILE = Path(__file__).resolve().parent / "equivalent_mutants.json"
 # What a worker's copy needs: the packages, the root conftest and the project file.
 TREE = ("engine", "kernels", "ladder", "reference", "fixtures", "bench", "conftest.py", "pyproject.toml")
 DEFAULT_FILES = {"numpy": ("kernels/numpy/*.py",), "cuda": ("kernels/cuda/*.cu", "kernels/cuda/*.cuh")}
-DETECTED = ("killed", "timed_out")
 START_ALLOWANCE, HANG_FACTOR = 60.0, 3.0  # the automatic timeout: 60 s + 3x the clean run's time for the cases
 
 
@@ -284,112 +283,6 @@ def run(mutants: list[Mutant], backend: str, rungs, jobs: int, timeout: float, e
             f"{wall / max(1, len(results)):.2f} s per mutant")
     results.sort(key=lambda r: (r["file"], r["start"], r["replacement"]))
     return results
-
-
-def score(counts: Counter) -> float | None:
-    scored = sum(counts[o] for o in DETECTED) + counts["survived"]
-    return None if scored == 0 else sum(counts[o] for o in DETECTED) / scored
-
-
-def summarize(results: list[dict], equivalents: dict[str, dict]) -> dict:
-    by_file, by_function = defaultdict(Counter), defaultdict(Counter)
-    for r in results:
-        by_file[r["file"]][r["outcome"]] += 1
-        by_function[(r["file"], r["function"])][r["outcome"]] += 1
-    for e in equivalents.values():
-        by_file[e["file"]]["equivalent"] += 1
-        by_function[(e["file"], e["function"])]["equivalent"] += 1
-    total = sum((c for c in by_file.values()), Counter())
-    row = lambda c: {**{k: c[k] for k in ("killed", "timed_out", "survived", "did_not_compile", "not_launched", "equivalent")},  # noqa: E731
-                     "score": score(c)}
-    return {"total": row(total),
-            "files": {f: row(c) for f, c in sorted(by_file.items())},
-            "functions": [{"file": f, "function": fn, **row(c)} for (f, fn), c in sorted(by_function.items())]}
-
-
-def compare(current: dict, baseline: dict) -> dict:
-    """Per file, the score here and in the baseline; the mutants the baseline killed that survive here,
-    and those it let survive that are killed here."""
-    old = {r["signature"]: r["outcome"] for r in baseline.get("mutants", [])}
-    # A mutant the baseline detected that survives here, or that no case launches any more (its cases
-    # stopped running that code): the rungs lost it.
-    regressed = [r for r in current["mutants"] if r["outcome"] in ("survived", "not_launched")
-                 and old.get(r["signature"]) in DETECTED]
-    fixed = [r for r in current["mutants"] if r["outcome"] in DETECTED and old.get(r["signature"]) == "survived"]
-    files = {}
-    for f, row in current["summary"]["files"].items():
-        before = baseline.get("summary", {}).get("files", {}).get(f, {}).get("score")
-        files[f] = {"score": row["score"], "baseline": before}
-    # The score over the mutants both runs scored: the same seed draws the same sample while the sources
-    # keep their signatures, so this compares like with like (a whole-run score would not, across samples).
-    both = [(old[r["signature"]], r["outcome"]) for r in current["mutants"]
-            if old.get(r["signature"]) in (*DETECTED, "survived") and r["outcome"] in (*DETECTED, "survived", "not_launched")]
-    share = lambda i: sum(pair[i] in DETECTED for pair in both) / len(both) if both else None  # noqa: E731
-    return {"files": files, "newly_surviving": [r["signature"] for r in regressed],
-            "newly_killed": [r["signature"] for r in fixed],
-            "common": {"mutants": len(both), "baseline_score": share(0), "score": share(1)}}
-
-
-def regressions(report: dict) -> list[str]:
-    """Why the run is worse than its baseline: each mutant the baseline detected that is lost here, and a
-    lower score over the mutants both scored. Empty: as strong as the baseline, or stronger."""
-    b = report.get("baseline")
-    if not b:
-        return []
-    lines = [f"killed in the baseline, {'survives' if _outcome(report, sig) == 'survived' else 'no longer launched'} "
-             f"here: {sig}" for sig in b["newly_surviving"]]
-    c = b.get("common", {})
-    if c.get("score") is not None and c["score"] < c["baseline_score"]:
-        lines.append(f"score over the {c['mutants']} mutants both runs scored: {_pct(c['score'])}, "
-                     f"baseline {_pct(c['baseline_score'])}")
-    return lines
-
-
-def _outcome(report: dict, signature: str) -> str | None:
-    return next((r["outcome"] for r in report["mutants"] if r["signature"] == signature), None)
-
-
-def _pct(x) -> str:
-    return "-" if x is None else f"{100 * x:.1f}%"
-
-
-def markdown(report: dict) -> str:
-    s, meta = report["summary"], report["meta"]
-    lines = ["# Mutation report", "",
-             f"Backend `{meta['backend']}`, rungs {', '.join(meta['rungs'])}, {meta['run']} of {meta['candidates']} "
-             f"mutants run (seed {meta['seed']}), {meta['seconds']:.0f} s. Score = detected / (detected + survived); "
-             "mutants that do not compile, that sit in code no case launches, and reviewed equivalents are not scored.", "",
-             "| file | killed | timed out | survived | did not compile | not launched | equivalent | score |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for f, r in [*s["files"].items(), ("**total**", s["total"])]:
-        lines.append(f"| {f} | {r['killed']} | {r['timed_out']} | {r['survived']} | {r['did_not_compile']} | "
-                     f"{r.get('not_launched', 0)} | {r['equivalent']} | {_pct(r['score'])} |")
-    lines += ["", "## Per kernel function", "", "| file | function | detected | survived | score |", "| --- | --- | --- | --- | --- |"]
-    for r in s["functions"]:
-        lines.append(f"| {r['file']} | {r['function']} | {r['killed'] + r['timed_out']} | {r['survived']} | {_pct(r['score'])} |")
-    survivors = [r for r in report["mutants"] if r["outcome"] == "survived"]
-    lines += ["", f"## Survivors ({len(survivors)})", ""]
-    lines += [f"- `{r['file']}:{r['line']}` in `{r['function']}`: `{r['original']}` -> `{r['replacement']}` "
-              f"({r['kind']}; signature `{r['signature']}`)" for r in survivors] or ["none"]
-    idle = [r for r in report["mutants"] if r["outcome"] == "not_launched"]
-    lines += ["", f"## Not launched by any case of the rungs run ({len(idle)}, not scored)", ""]
-    lines += [f"- `{r['file']}:{r['line']}` in `{r['function']}`: `{r['original']}` -> `{r['replacement']}`" for r in idle[:200]] or ["none"]
-    eq = report["equivalents"]
-    lines += ["", f"## Reviewed equivalent mutants ({len(eq)}, not run, not scored)", ""]
-    lines += [f"- `{e['file']}:{e['line']}`: `{e['original']}` -> `{e['replacement']}`: {e['reason']}" for e in eq.values()] or ["none"]
-    if "baseline" in report:
-        b = report["baseline"]
-        lines += ["", "## Against the baseline", "", "| file | score | baseline |", "| --- | --- | --- |"]
-        lines += [f"| {f} | {_pct(r['score'])} | {_pct(r['baseline'])} |" for f, r in b["files"].items()]
-        c = b.get("common", {})
-        if c.get("mutants"):
-            lines += ["", f"Over the {c['mutants']} mutants both runs scored: {_pct(c['score'])} here, "
-                          f"{_pct(c['baseline_score'])} in the baseline."]
-        lines += ["", f"Detected in the baseline, lost here (surviving, or no longer launched): {len(b['newly_surviving'])}", ""]
-        lines += [f"- `{sig}`" for sig in b["newly_surviving"]]
-        lines += ["", f"Surviving in the baseline, killed here: {len(b['newly_killed'])}", ""]
-        lines += [f"- `{sig}`" for sig in b["newly_killed"]]
-    return "\n".join(lines) + "\n"
 
 
 # --- the subcommand ----------------------------------------------------------------------------------
