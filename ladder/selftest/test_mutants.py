@@ -248,3 +248,11 @@ def test_mutate_exits_1_when_weaker_than_its_baseline(tmp_path):
     assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
     assert f"REGRESSION killed in the baseline, no longer launched here: {lost.signature}" in r.stderr
     assert json.loads((tmp_path / "now" / "mutate.json").read_text())["baseline"]["newly_surviving"] == [lost.signature]
+
+
+def test_python_mutants_leave_annotations_alone(tmp_path):
+    src = tmp_path / "k.py"
+    src.write_text("def f(x: int | None = 1, *a: float | int) -> int | None:\n    y: int | None = x\n    return y | 2\n")
+    found = {(m.line, m.original, m.replacement) for m in python_mutants(src, "k.py")}
+    assert {o for _, o, _ in found} == {"1", "|", "2"}  # the default, the body's `|` and its literal
+    assert all(line != 2 or o != "|" for line, o, _ in found) and (3, "|", "&") in found

@@ -6,7 +6,8 @@ against each; a mutant the rungs pass "survived": the ladder could not tell that
 one. This module only finds the mutation sites and makes the edits.
 
 - Python (kernels/numpy/*.py): the sites come from the `ast` (binary, comparison, boolean and unary
-  operators, number literals, and the NumPy precision names `float32` / `float16` / `float64`); the
+  operators, number literals, and the NumPy precision names `float32` / `float16` / `float64`; never in
+  an annotation, which does not run); the
   operator's token is located between its operands with `tokenize`, so a docstring or a comment is
   never touched. A mutant that no longer parses is "did not compile".
 - CUDA (kernels/cuda/*.cu, *.cuh): a tokenizer that skips comments, preprocessor lines and string
@@ -126,8 +127,12 @@ def python_mutants(path: Path, rel: str) -> list[Mutant]:
                 return p, t.string, t.start[0]
         return None
 
+    # Annotations (`-> int | None`, `x: float | None`) are not code that runs: an edit there changes nothing.
+    annotations = {id(n) for a in ast.walk(tree) for ann in _annotations(a) for n in ast.walk(ann)}
     sites: list[tuple[int, int, str, str, list[str]]] = []  # (offset, line, kind, text, replacements)
     for node in ast.walk(tree):
+        if id(node) in annotations:
+            continue
         found = []
         if isinstance(node, ast.BinOp):
             found.append(op_between(node.left, node.right, OPERATORS))
@@ -151,6 +156,16 @@ def python_mutants(path: Path, rel: str) -> list[Mutant]:
                 p, text, line = hit
                 sites.append((p, line, "operator", text, list(OPERATORS[text])))
     return _mutants(rel, sites, function_at)
+
+
+def _annotations(node: ast.AST) -> list[ast.AST]:
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        a = node.args
+        args = [*a.posonlyargs, *a.args, *a.kwonlyargs, *(x for x in (a.vararg, a.kwarg) if x)]
+        return [x for x in (node.returns, *(arg.annotation for arg in args)) if x is not None]
+    if isinstance(node, ast.AnnAssign):
+        return [node.annotation]
+    return []
 
 
 # --- CUDA --------------------------------------------------------------------------------------------
