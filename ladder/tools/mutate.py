@@ -209,7 +209,6 @@ class Worker:
         finally:
             path.write_text(original)
 
-
     def timeout_for(self, rung: str, ids: list[str]) -> float:
         """--timeout where given; else a hang is a run past 3x the clean run's time for the same cases plus a
         start-up allowance (imports, collection, the mutated module's compile)."""
