@@ -201,9 +201,11 @@ def pytest_configure(config):
     selected_formats(config)
     attach(config)
     if config.getoption("--record-launches"):
-        from ladder.launches import CaseLaunches, start
+        from ladder.launches import CaseLaunches, recording_is_free, start
 
-        start()
+        # NumPy functions are watched only where a backend runs them on the host (before Python 3.12
+        # watching costs every Python call, which a CUDA-only run need not pay)
+        start(numpy=recording_is_free() or not all(backend_needs_device(b) for b in selected_backends(config)))
         config.pluginmanager.register(CaseLaunches(), "nanoqwen-launches")
     if not is_worker(config):
         _share_cores(config)
