@@ -22,7 +22,9 @@ RECORDS: list[dict] = []
 
 
 def rerun_command() -> str:
-    node = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+    from ladder.summary import case_id  # without pytest-xdist's `@group` suffix, which a rerun would not find
+
+    node = case_id(os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0])
     return f"python -m pytest {shlex.quote(node)}" if node else "python -m pytest"
 
 

@@ -50,3 +50,13 @@ def test_same_worker_keeps_a_weight_s_decode_and_prefill_cases_together(tmp_path
         op_t = name.rsplit("-", 1)[0]  # ...[cuda-FORMAT-OP-T] -> ...[cuda-FORMAT-OP
         assert group == "test_full_size_linears_match_reference-" + op_t.split("[", 1)[1], (name, group)
     assert len(set(got.values())) == 16  # four formats x four ops, two cases each
+
+
+def test_a_grouped_case_s_rerun_hint_names_the_case_pytest_can_find(monkeypatch):
+    from ladder.compare import rerun_command
+
+    case = "ladder/graph/test_graph.py::test_greedy_tokens_match_the_hf_simulation[heldout-000-numpy-int4_sym_g128]"
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", f"{case}@int4_sym_g128-numpy (call)")
+    assert rerun_command() == f"python -m pytest '{case}'"
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "ladder/unit/test_ops.py::test_x[a@b] (call)")  # an @ inside the id stays
+    assert rerun_command() == "python -m pytest 'ladder/unit/test_ops.py::test_x[a@b]'"
