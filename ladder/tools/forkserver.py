@@ -14,8 +14,9 @@ killed with its whole process group.
 What must hold for a child to see the mutant:
 - No module a mutant edits is imported here (checked after the imports): each child imports it from
   the copy of the tree, after the mutant was written into it. (A library may import a package of the
-  project by name: transformers imports a package called `kernels` where one is on the path, which
-  brings in kernels/__init__.py and kernels/base.py; those are not mutated.) Bytecode is not written
+  project by name: where Hugging Face's `kernels` distribution is installed, transformers imports
+  `kernels` and finds this project's package first on the path, which brings in kernels/__init__.py
+  and kernels/base.py; seen on the GPU machine. Those are not mutated.) Bytecode is not written
   (PYTHONDONTWRITEBYTECODE, set by mutate.py), so a stale .pyc can never stand in for the mutated source.
 - The device is never touched here: a CUDA context does not survive a fork. Each child creates its
   own; CuPy's on-disk kernel cache, which the workers share, hands it every module already compiled
