@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import functools
 import json
-import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -326,13 +325,9 @@ def _changed_lines(root: Path, rev: str, rel: str) -> set[int] | None:
 
 
 def _git(root: Path, *args, check=True) -> str:
-    try:
-        r = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise ChangeError(f"cannot run git: {e}") from None
-    if check and r.returncode != 0:
-        raise ChangeError((r.stderr.strip().splitlines() or [f"git {' '.join(args)} failed"])[-1])
-    return r.stdout
+    from ladder import git
+
+    return git.run(root, *args, check=check, error=ChangeError).stdout
 
 
 # --- the kept map --------------------------------------------------------------------------------------

@@ -209,7 +209,8 @@ def project_repo(tmp_path) -> Path:
     return repo
 
 
-def test_changed_reads_functions_from_the_diff_and_runs_everything_outside_the_kernels(project_repo):
+def test_changed_reads_functions_from_the_diff_and_runs_everything_outside_the_kernels(project_repo, monkeypatch, tmp_path):
+    monkeypatch.setenv("GIT_DIR", str(tmp_path / "elsewhere"))  # as a git hook would leave it: not followed
     assert launches.changed_patterns("HEAD", project_repo) == ([], [])
     att = project_repo / "kernels" / "numpy" / "attention.py"
     att.write_text(att.read_text().replace("    T, nq, d = q.shape", "    T, nq, d = q.shape  # shape\n    _ = 0", 1))

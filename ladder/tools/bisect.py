@@ -38,14 +38,14 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ladder import git
+
 DEFAULT_SELECTION = ("-m", "unit")
 GOOD, BAD, SKIP = 0, 1, 125  # git bisect run's exit codes
 VERDICT_NAMES = {GOOD: "good", BAD: "bad", SKIP: "skip"}
 PYTEST_EXIT_NAMES = {0: "passed", 1: "tests failed", 2: "interrupted or collection error", 3: "internal error",
                      4: "usage error", 5: "no tests collected"}
 _MARK = "nanoqwen-bisect-step "  # prefix of the line the step script prints for each revision
-_GIT_LOCATION_VARS = ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE", "GIT_COMMON_DIR", "GIT_OBJECT_DIRECTORY",
-                      "GIT_PREFIX")  # set by a hook, these would point git at another repository
 
 # Started by `git bisect run` in the worktree. It imports this module from the user's checkout (the
 # path is in the config), never from the revision under test, and turns any crash of its own into
@@ -120,20 +120,8 @@ class Result:
 # --- git -----------------------------------------------------------------------------------------
 
 
-def _git_env() -> dict:
-    return {k: v for k, v in os.environ.items() if k not in _GIT_LOCATION_VARS}
-
-
 def _git(cwd, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    try:
-        r = subprocess.run(["git", *args], cwd=cwd, env=_git_env(), capture_output=True, text=True,
-                           errors="replace")
-    except FileNotFoundError:
-        raise BisectError("git is not installed (or not on PATH)") from None
-    if check and r.returncode != 0:
-        msg = (r.stderr.strip().splitlines() or ["(no message)"])[-1]
-        raise BisectError(f"git {' '.join(args)} failed: {msg}")
-    return r
+    return git.run(cwd, *args, check=check, error=BisectError)
 
 
 def _commit(cwd, rev: str) -> Commit:
@@ -178,7 +166,7 @@ def pytest_command(worktree, selection=None, backend: str | None = None, final: 
 
 def _pytest_env(worktree, repo) -> dict:
     """The environment with the worktree first on PYTHONPATH (and the user's checkout off it)."""
-    env = _git_env()
+    env = git.environment()
     skip = {os.path.normcase(os.path.realpath(p)) for p in (worktree, repo)}
     rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
             if p and os.path.normcase(os.path.realpath(p)) not in skip]
@@ -282,7 +270,7 @@ def bisect(repo, good: str, bad: str = "HEAD", selection=None, backend: str | No
         _git(wt, "bisect", "start", bad_hash, good_hash, "--")
         started = True
         proc = subprocess.Popen(["git", "bisect", "run", sys.executable, str(tmp / "step.py"), str(tmp / "step.json")],
-                                cwd=wt, env=_git_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                cwd=wt, env=git.environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 errors="replace", start_new_session=(os.name == "posix"))
         lines = []
         for line in proc.stdout:
