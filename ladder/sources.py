@@ -14,6 +14,7 @@ the kernels that run it). One reading, here:
 from __future__ import annotations
 
 import ast
+import bisect
 import re
 
 _CUDA_TOKEN = re.compile(r"""
@@ -80,14 +81,7 @@ def functions_of_tokens(toks) -> list[str]:
 
 def token_index(toks, pos: int) -> int:
     """The index of the last token that starts at or before offset `pos`."""
-    lo, hi = 0, len(toks) - 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if toks[mid][2] <= pos:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    return max(0, bisect.bisect_right(toks, pos, key=lambda t: t[2]) - 1)
 
 
 def cuda_functions_on_lines(source: str, lines: set[int]) -> set[str]:
@@ -97,26 +91,14 @@ def cuda_functions_on_lines(source: str, lines: set[int]) -> set[str]:
     line_starts = [0] + [m.end() for m in re.finditer("\n", source)]
     found = set()
     for i, (_, _, p) in enumerate(toks):
-        line = _line_of(line_starts, p)
-        if line in lines:
+        if bisect.bisect_right(line_starts, p) in lines:  # its 1-based line
             found.add(function_of[i])
     # a preprocessor line (a macro, an #include) is code too, outside any function's tokens
     for m in _PREPROCESSOR.finditer(source):
-        first, last = _line_of(line_starts, m.start()), _line_of(line_starts, m.end())
+        first, last = bisect.bisect_right(line_starts, m.start()), bisect.bisect_right(line_starts, m.end())
         if any(first <= line <= last for line in lines):
             found.add("<file>")
     return found
-
-
-def _line_of(line_starts: list[int], pos: int) -> int:
-    lo, hi = 0, len(line_starts) - 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if line_starts[mid] <= pos:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo + 1
 
 
 def cuda_calls(source: str) -> dict[str, set[str]]:
@@ -152,12 +134,10 @@ def cuda_macro_names(source: str) -> set[str]:
 
 def python_functions_on_lines(source: str, lines: set[int]) -> set[str]:
     """The innermost `def` holding each of `lines` (1-based), "<module>" for a line outside every def."""
-    tree = ast.parse(source)
-    defs = [(n.lineno, n.end_lineno, n.name) for n in ast.walk(tree)
-            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-    for d in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]:
-        if d.decorator_list:  # a decorator line belongs to the function it decorates
-            defs.append((min(x.lineno for x in d.decorator_list), d.end_lineno, d.name))
+    defs = []  # (first line, last line, name); a decorator's lines belong to the function it decorates
+    for n in ast.walk(ast.parse(source)):
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            defs.append((min([n.lineno, *(x.lineno for x in n.decorator_list)]), n.end_lineno, n.name))
     found = set()
     for line in lines:
         inside = [d for d in defs if d[0] <= line <= d[1]]
