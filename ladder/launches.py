@@ -333,13 +333,14 @@ def _git(root: Path, *args, check=True) -> str:
 # --- the kept map --------------------------------------------------------------------------------------
 
 
-def map_file(backend: str, model: str | None) -> Path:
-    """The kept launch map of one backend and model (None: the embedded default model)."""
+def map_file(backend: str, run: str) -> Path:
+    """The kept launch map of one backend (or "all") and one kind of run: `run` names what else decides
+    the cases (nanoqwen ladder gives its --model, --prompts and --quant)."""
     import hashlib
 
     from engine.resolve import cache_root
 
-    key = hashlib.sha256((model or "default").encode()).hexdigest()[:12]
+    key = hashlib.sha256(run.encode()).hexdigest()[:12]
     return cache_root() / "launch-maps" / f"{backend}-{key}.json"
 
 
