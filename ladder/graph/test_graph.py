@@ -12,10 +12,13 @@ engine may not flip them more often than the plain forward does at the floor pro
 refuses a model whose allowed difference is comparable to the spread of its logits.
 
 The epsilon and the allowed difference are the model's own: the `bounds` fixture derives them once per
-model (one worker measures, the others and later runs read them: ladder/bounds_store.py) from the model's noise floor (the plain fp32 forward with fp16 storage against the HF simulation)
+model (one worker measures, the others and later runs read them: ladder/graph_store.py) from the model's noise floor (the plain fp32 forward with fp16 storage against the HF simulation)
 on a spread of FLOOR_PROMPTS prompts, the same in every worker (ladder/tokens.py `derive_bounds`).
 
-The reference runs once per prompt per worker (with its own KV cache) and serves every backend. On CUDA
+The reference runs once per prompt on a machine (with its own KV cache) and serves every backend: its
+runs are kept under the cache folder with the bounds (ladder/graph_store.py), keyed by the model, the
+reference's sources and the library versions, so a later run, shard, bisect step or mutant reads them
+and imports neither torch nor transformers unless a run is missing. On CUDA
 the decode step runs both eager and as the captured graph. Honours `--model`, `--prompts` and
 `--new-tokens`; each test attaches its result (`nanoqwen_graph`) and the bounds it was judged by
 (`nanoqwen_graph_bounds`) as user properties, which the plugin totals at the end of the run and writes
@@ -24,24 +27,27 @@ to the ladder JSON.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import numpy as np
 import pytest
 
-pytest.importorskip("torch", reason="the graph rung's reference (the HF simulation) needs torch: "
-                                     "pip install -e '.[test]'")
-pytest.importorskip("transformers", reason="the graph rung's reference (the HF simulation) needs "
-                                            "transformers: pip install -e '.[test]'")
+# The reference needs torch and transformers, but a run whose reference runs and bounds are kept on this
+# machine (ladder/graph_store.py) never imports them: only their presence is checked here.
+for _dist in ("torch", "transformers"):
+    if importlib.util.find_spec(_dist) is None:
+        pytest.skip(f"the graph rung's reference (the HF simulation) needs {_dist}: pip install -e '.[test]'",
+                    allow_module_level=True)
 
 import engine
+from engine.modelfile import ModelFile
 from fixtures.prompts import default_prompts_path, prompts_for_model, read_prompt_ids
-from ladder.bounds_store import bounds_key, load_or_derive
+from ladder.graph_store import KeptReferences, bounds_key, load_or_derive
 from ladder.compare import rerun_command
 from ladder.tokens import (GraphBounds, compare_greedy, derive_bounds, engine_logits, spread_by_length,
                            reference_greedy, tokens_to_generate)
 from fixtures.dequantized import dequantized_weights
-from reference.hf import hf_model
 
 
 SMALL_MODEL_PARAMS = 100_000_000  # below this, the reference runs single-threaded (see ReferenceRuns)
@@ -64,21 +70,29 @@ def prompts(request, model_path):
 
 
 class ReferenceRuns:
-    """The HF simulation of one model, built on first use; each prompt's greedy run computed once."""
+    """The HF simulation of one model, built on first use; each prompt's greedy run computed once on this
+    machine and kept (ladder/graph_store.py KeptReferences)."""
 
     def __init__(self, model_path, new_tokens: int | None = None):
         self.model_path = model_path
         self.new_tokens = new_tokens  # --new-tokens, else each prompt's new_tokens_for
         self.config = self.weights = None  # the dequantized weights, shared with the floor
         self._hf = None
-        self._vocab = None
+        self._vocab = ModelFile(model_path, verify_checksums=False).config_dict["vocab_size"]
+        self._kept = KeptReferences(model_path)
         self._runs = {}
+
+    def dequantized(self) -> tuple[dict, dict]:
+        """(config dict, HF name -> float32 weights): what the simulation and the floor's plain forward read."""
+        if self.weights is None:
+            self.config, self.weights = dequantized_weights(self.model_path)
+        return self.config, self.weights
 
     def model(self):
         if self._hf is None:
-            config, weights = dequantized_weights(self.model_path)
-            self.config, self.weights = config, weights
-            self._vocab = config["vocab_size"]
+            from reference.hf import hf_model
+
+            config, weights = self.dequantized()
             self._hf = hf_model(config, weights)
             workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
             params = sum(w.size for w in weights.values())
@@ -95,21 +109,24 @@ class ReferenceRuns:
 
     def get(self, prompt):
         if prompt.id not in self._runs:
-            import torch
-
-            hf = self.model()
             bad = [t for t in prompt.ids if t >= self._vocab]
             if bad:
                 raise ValueError(f"prompt {prompt.id!r} holds token id {bad[0]}, outside the model's vocab of "
                                  f"{self._vocab}: is --prompts meant for another model?")
-            before = torch.get_num_threads()
-            torch.set_num_threads(self._threads)
-            try:
-                n_new = tokens_to_generate(len(prompt.ids), self.new_tokens)
-                self._runs[prompt.id] = reference_greedy(hf, prompt.ids, n_new)
-            finally:
-                torch.set_num_threads(before)
+            n_new = tokens_to_generate(len(prompt.ids), self.new_tokens)
+            self._runs[prompt.id] = self._kept.get(prompt.ids, n_new, lambda: self._run(prompt.ids, n_new))
         return self._runs[prompt.id]
+
+    def _run(self, ids, n_new: int):
+        import torch
+
+        hf = self.model()
+        before = torch.get_num_threads()
+        torch.set_num_threads(self._threads)
+        try:
+            return reference_greedy(hf, ids, n_new)
+        finally:
+            torch.set_num_threads(before)
 
 
 # A worker that runs several formats' tests (pytest-xdist hands them out in chunks) switches the
@@ -140,10 +157,9 @@ def bounds(request, model_path, prompts, references):
 
         def derive():
             runs = [(p.id, p.ids, references.get(p)) for p in chosen]
-            references.model()  # the weights the floor's plain forward reads (kept runs need no HF model)
-            return derive_bounds(references.config, references.weights, runs)
+            return derive_bounds(*references.dequantized(), runs)
 
-        # measured once per model by one worker, kept for the others and for later runs (ladder/bounds_store.py)
+        # measured once per model by one worker, kept for the others and for later runs (ladder/graph_store.py)
         _BOUNDS[key] = load_or_derive(bounds_key(model_path, chosen, new_tokens), derive)
     return _BOUNDS[key]
 

@@ -1,0 +1,197 @@
+"""The graph rung's measurements, made once per machine and kept: the model's bounds and the reference's
+greedy runs (ladder/tokens.py `derive_bounds`, `reference_greedy`).
+
+Both are pure functions of their inputs and both cost more than the engine's own checks. The HF
+simulation's greedy run on one prompt takes about 0.12 s of a CPU thread on the default model: 11.7 s for
+the 100 prompts of one format on an H200 host, against 4 s for the engine's eager and graph runs of
+them on the GPU. Measuring a model's bounds adds a plain forward on each floor prompt: seconds on the
+default model, minutes at the 0.5B shape on a CPU. And every pytest-xdist worker, later run, shard,
+bisect step and mutant asks for the same ones.
+
+So they are kept under the nanoqwen cache folder, keyed by everything they depend on: the model's
+fingerprint (its format, config and tensor checksums), the sources that compute or judge them
+(reference/, fixtures/dequantized.py, engine/formats/, ladder/tokens.py, ladder/tolerances.py), the
+versions of numpy, torch and transformers, and per item its prompts' token ids and the number of new
+tokens. A changed input is a new key, never a stale file; the engine and the kernels are not in the key
+(a mutant or a planted fault changes what is checked, not what it is checked against).
+
+- Bounds (`graph-bounds/KEY.json`): the first worker to need them measures them while holding a lock file
+  (its process id and host inside); the others wait for its result, and later runs read it. A lock whose
+  process is gone (a killed run) is taken over at once.
+- Reference runs (`graph-references/MODEL_KEY/PROMPT_KEY.npz`, tokens and float32 logits): no lock (one
+  worker holds a model's prompts); two processes that compute the same run write the same values, and
+  the later replace wins. The most recently used models' folders are kept, up to KEPT_BYTES in all.
+
+Every file is written to a temporary name and renamed into place. `NANOQWEN_FRESH_REFERENCES=1`
+measures and writes both again without reading what is kept (to check the cache itself).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import time
+import zipfile
+from functools import lru_cache
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from ladder.tokens import GraphBounds, Reference
+
+STALE_LOCK_SECONDS = 3600.0  # a lock from another host older than this belongs to a worker that died
+KEPT_BYTES = 4 << 30  # reference runs kept, newest model first (a 152k vocab: ~1 GB for 100 prompts)
+_HERE = Path(__file__).resolve().parent
+_REPO = _HERE.parent
+SOURCES = (_HERE / "tokens.py", _HERE / "tolerances.py", *sorted((_REPO / "reference").glob("*.py")),
+           _REPO / "fixtures" / "dequantized.py", *sorted((_REPO / "engine" / "formats").glob("*.py")))
+
+
+def _fresh() -> bool:
+    return os.environ.get("NANOQWEN_FRESH_REFERENCES", "") not in ("", "0")
+
+
+@lru_cache(maxsize=None)
+def _sources_and_versions() -> str:
+    """The digest of SOURCES and of the numeric libraries' versions (read from their metadata: no import)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    h = hashlib.sha256()
+    for f in SOURCES:
+        h.update(f.name.encode() + f.read_bytes())
+    for dist in ("numpy", "torch", "transformers"):
+        try:
+            h.update(f"{dist}=={version(dist)}".encode())
+        except PackageNotFoundError:
+            h.update(f"{dist} missing".encode())
+    return h.hexdigest()
+
+
+def _key(*parts) -> str:
+    return hashlib.sha256(json.dumps([_sources_and_versions(), *parts]).encode()).hexdigest()[:24]
+
+
+def bounds_key(model_path, floor_prompts, new_tokens) -> str:
+    from fixtures.golden import model_fingerprint
+
+    return _key("bounds", model_fingerprint(model_path), [(p.id, list(p.ids)) for p in floor_prompts], new_tokens)
+
+
+def store_root() -> Path:
+    from engine.resolve import cache_root
+
+    return cache_root() / "graph-bounds"
+
+
+def references_root() -> Path:
+    from engine.resolve import cache_root
+
+    return cache_root() / "graph-references"
+
+
+def _abandoned(lock: Path) -> bool:
+    """A lock whose measuring process is gone (killed, say): its process id on this host no longer runs,
+    or, for a lock from another host sharing the cache folder, it is older than STALE_LOCK_SECONDS."""
+    try:
+        pid, _, host = lock.read_text().partition(" ")
+        age = time.time() - lock.stat().st_mtime
+    except (FileNotFoundError, ValueError):
+        return False
+    if host == socket.gethostname() and pid.isdigit():
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+    return age > STALE_LOCK_SECONDS
+
+
+def load_or_derive(key: str, derive: Callable[[], GraphBounds], poll: float = 0.5) -> GraphBounds:
+    """The kept bounds of `key`, else derive them (one process at a time: the others wait) and keep them."""
+    root = store_root()
+    root.mkdir(parents=True, exist_ok=True)
+    path, lock = root / f"{key}.json", root / f"{key}.lock"
+    while True:
+        if path.exists() and not _fresh():
+            return GraphBounds.from_record(json.loads(path.read_text()))
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            if _abandoned(lock):
+                lock.unlink(missing_ok=True)
+            else:
+                time.sleep(poll)
+            continue
+        try:
+            os.write(fd, f"{os.getpid()} {socket.gethostname()}".encode())
+            os.close(fd)
+            if path.exists() and not _fresh():  # kept by a process that held the lock between our look and our lock
+                return GraphBounds.from_record(json.loads(path.read_text()))
+            bounds = derive()
+            tmp = root / f".{key}.{os.getpid()}.tmp"
+            tmp.write_text(json.dumps(bounds.record()))
+            os.replace(tmp, path)
+            return bounds
+        finally:
+            lock.unlink(missing_ok=True)
+
+
+class KeptReferences:
+    """The reference runs of one model kept on this machine: `get(ids, n_new, run)` returns the kept run
+    of those prompt ids and new tokens, else calls `run()`, keeps its result and returns it."""
+
+    def __init__(self, model_path):
+        from fixtures.golden import model_fingerprint
+
+        self.folder = references_root() / _key("references", model_fingerprint(model_path))
+
+    def get(self, ids, n_new: int, run: Callable[[], Reference]) -> Reference:
+        path = self.folder / (hashlib.sha256(json.dumps([list(map(int, ids)), int(n_new)]).encode()).hexdigest()[:24]
+                              + ".npz")
+        if not _fresh():
+            try:
+                with np.load(path) as z:
+                    return Reference(int(z["prompt_len"]), z["tokens"], z["logits"])
+            except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile):
+                pass  # not kept yet, or a file another process is still renaming into place: run it
+        ref = run()
+        self._keep(path, ref)
+        return ref
+
+    def _keep(self, path: Path, ref: Reference) -> None:
+        new = not self.folder.exists()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        tmp = self.folder / f".{path.stem}.{os.getpid()}.tmp.npz"
+        try:
+            np.savez(tmp, prompt_len=np.int64(ref.prompt_len), tokens=np.asarray(ref.tokens, dtype=np.int64),
+                     logits=np.asarray(ref.logits, dtype=np.float32))
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        os.utime(self.folder)  # the folder's time says when its model was last used
+        if new:
+            _prune(self.folder.parent, KEPT_BYTES)
+
+
+def _prune(root: Path, budget: int) -> None:
+    """Keep the most recently used folders under `root` while their sizes add up to `budget` (the newest
+    always), remove the others. Another process may be pruning too, or writing into one: whatever is
+    already gone counts as empty."""
+    def stat(p: Path, what: str) -> float:
+        try:
+            return getattr(p.stat(), what)
+        except FileNotFoundError:
+            return 0
+
+    folders = sorted((p for p in root.iterdir() if p.is_dir()), key=lambda p: stat(p, "st_mtime"), reverse=True)
+    total = 0
+    for i, folder in enumerate(folders):
+        total += sum(stat(f, "st_size") for f in folder.glob("*"))
+        if i and total > budget:
+            shutil.rmtree(folder, ignore_errors=True)

@@ -1,0 +1,209 @@
+"""Self-test: the graph rung's bounds and reference runs are measured once per machine and kept
+(ladder/graph_store.py).
+
+Bounds: a second run reads what the first measured; a different key measures again; a lock left by a
+process that is gone (a killed run) is taken over at once instead of being waited on; and two processes
+asking at the same time measure once between them. Reference runs: read back equal, bit for bit; a new
+prompt, token count or model runs again; a broken file is run again and replaced; NANOQWEN_FRESH_REFERENCES
+runs everything again; the oldest models' runs go past the size budget; and a graph rung whose runs are
+kept imports neither torch nor transformers.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ladder import graph_store
+from ladder.tokens import Reference, bounds_from_floor
+
+BOUNDS = bounds_from_floor(0.01, 4.0, 0.008, ("p1", "p2"), 32, floor_close=5, floor_flips=1, spread=3.0)
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOQWEN_CACHE", str(tmp_path))
+    return tmp_path / "graph-bounds"
+
+
+def test_bounds_are_measured_once_and_read_back(store):
+    calls = []
+
+    def derive():
+        calls.append(1)
+        return BOUNDS
+
+    assert graph_store.load_or_derive("k1", derive) == BOUNDS
+    assert graph_store.load_or_derive("k1", derive) == BOUNDS and len(calls) == 1
+    assert graph_store.load_or_derive("k2", derive) == BOUNDS and len(calls) == 2, "another key measures again"
+    assert sorted(p.name for p in store.iterdir()) == ["k1.json", "k2.json"], "no lock or temporary file is left"
+
+
+def test_a_failed_measurement_leaves_no_lock(store):
+    def broken():
+        raise ValueError("the floor is undefined")
+
+    with pytest.raises(ValueError, match="undefined"):
+        graph_store.load_or_derive("k", broken)
+    assert list(store.iterdir()) == []
+    assert graph_store.load_or_derive("k", lambda: BOUNDS) == BOUNDS
+
+
+def test_a_lock_left_by_a_dead_process_is_taken_over(store):
+    store.mkdir(parents=True)
+    proc = multiprocessing.get_context("spawn").Process(target=os.getpid)
+    proc.start()
+    proc.join()  # a process id that has just ended
+    (store / "k.lock").write_text(f"{proc.pid} {socket.gethostname()}")
+    assert graph_store.load_or_derive("k", lambda: BOUNDS, poll=0.01) == BOUNDS
+    assert not (store / "k.lock").exists()
+
+
+def test_a_lock_held_by_a_live_process_is_waited_on(store, monkeypatch):
+    store.mkdir(parents=True)
+    (store / "k.lock").write_text(f"{os.getpid()} {socket.gethostname()}")  # this very process: alive
+    assert not graph_store._abandoned(store / "k.lock")
+    (store / "k.lock").write_text(f"{os.getpid()} another-host")  # another host's fresh lock: not stale yet
+    assert not graph_store._abandoned(store / "k.lock")
+    monkeypatch.setattr(graph_store, "STALE_LOCK_SECONDS", -1.0)
+    assert graph_store._abandoned(store / "k.lock"), "another host's lock past the age limit is stale"
+
+
+def _measure_in_child(cache: str, key: str, out: str) -> None:
+    os.environ["NANOQWEN_CACHE"] = cache
+    import time
+
+    def derive():
+        with open(out, "a") as f:
+            f.write("measured\n")
+        time.sleep(0.5)  # long enough for the other process to find the lock
+        return BOUNDS
+
+    graph_store.load_or_derive(key, derive, poll=0.05)
+
+
+def test_two_processes_asking_at_once_measure_once(tmp_path):
+    out = tmp_path / "measured.txt"
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_measure_in_child, args=(str(tmp_path), "k", str(out))) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert out.read_text().count("measured") == 1
+
+
+# ---- reference runs ------------------------------------------------------------------------------
+
+
+def _run(seed: int, calls: list):
+    def run() -> Reference:
+        calls.append(seed)
+        rng = np.random.default_rng(seed)
+        logits = rng.standard_normal((3, 50)).astype(np.float32)
+        return Reference(7, np.argmax(logits, axis=-1), logits)
+    return run
+
+
+@pytest.fixture(scope="module")
+def tiny_model_path():
+    """The default model's file, from the real cache (built there on first use), before `store` moves it."""
+    from engine.resolve import resolve_model
+
+    return resolve_model(None, progress=False)
+
+
+@pytest.fixture(scope="module")
+def other_model_path():
+    from engine.resolve import resolve_model
+
+    return resolve_model(None, quant="int8_sym_channel", progress=False)
+
+
+@pytest.fixture
+def kept(store, tiny_model_path):
+    return graph_store.KeptReferences(tiny_model_path)
+
+
+def test_a_kept_run_is_read_back_bit_for_bit_and_not_run_again(kept):
+    calls = []
+    first = kept.get([1, 2, 3], 3, _run(0, calls))
+    again = kept.get([1, 2, 3], 3, _run(1, calls))
+    assert calls == [0], "the kept run was run again"
+    assert again.prompt_len == first.prompt_len == 7
+    assert np.array_equal(again.tokens, first.tokens) and again.tokens.dtype == np.int64
+    assert again.logits.dtype == np.float32 and np.array_equal(again.logits, first.logits)
+
+
+def test_another_prompt_token_count_or_model_runs_again(kept, other_model_path):
+    calls = []
+    kept.get([1, 2, 3], 3, _run(0, calls))
+    kept.get([1, 2, 4], 3, _run(1, calls))
+    kept.get([1, 2, 3], 4, _run(2, calls))
+    assert calls == [0, 1, 2]
+    other = graph_store.KeptReferences(other_model_path)  # the same model in another format
+    assert other.folder != kept.folder
+    other.get([1, 2, 3], 3, _run(3, calls))
+    assert calls == [0, 1, 2, 3]
+
+
+def test_a_broken_kept_file_is_run_again_and_replaced(kept):
+    calls = []
+    kept.get([5, 6], 3, _run(0, calls))
+    (path,) = kept.folder.glob("*.npz")
+    path.write_bytes(path.read_bytes()[:40])  # a torn file
+    ref = kept.get([5, 6], 3, _run(0, calls))
+    assert calls == [0, 0] and ref.logits.shape == (3, 50)
+    assert kept.get([5, 6], 3, _run(9, calls)).logits.shape == (3, 50) and calls == [0, 0]
+    assert not list(kept.folder.glob(".*")), "a temporary file was left behind"
+
+
+def test_fresh_references_runs_again(kept, monkeypatch):
+    calls = []
+    kept.get([1], 3, _run(0, calls))
+    monkeypatch.setenv("NANOQWEN_FRESH_REFERENCES", "1")
+    kept.get([1], 3, _run(0, calls))
+    assert calls == [0, 0]
+
+
+def test_the_least_recently_used_models_go_past_the_size_budget(store, tmp_path):
+    root = tmp_path / "runs"
+    for i, name in enumerate(("oldest", "older", "newest")):
+        (root / name).mkdir(parents=True)
+        (root / name / "r.npz").write_bytes(b"x" * 100)
+        os.utime(root / name, (time.time() - 100 + i, time.time() - 100 + i))
+    graph_store._prune(root, 250)
+    assert sorted(p.name for p in root.iterdir()) == ["newest", "older"]
+    graph_store._prune(root, 10)
+    assert [p.name for p in root.iterdir()] == ["newest"], "the newest model is kept whatever its size"
+
+
+def test_a_graph_rung_whose_runs_are_kept_imports_neither_torch_nor_transformers(tmp_path, tiny_model_path):
+    """The same graph case twice in fresh processes: the first computes the reference (torch and
+    transformers imported), the second reads its kept run and kept bounds (neither imported). A plugin
+    of the test's own prints which were imported when the session ends."""
+    (tmp_path / "heavycheck.py").write_text(
+        "import sys\n"
+        "def pytest_sessionfinish(session):\n"
+        "    print('HEAVY', sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
+    repo = Path(graph_store.__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "pytest", str(repo / "ladder" / "graph" / "test_graph.py"), "-p", "ladder.plugin",
+           "-p", "heavycheck", "-c", os.devnull, "--rootdir", str(repo), "-p", "no:cacheprovider", "-q", "-s",
+           "--backend", "numpy", "--model", str(tiny_model_path), "-k", "heldout-000 and greedy"]
+    env = {**os.environ, "NANOQWEN_CACHE": str(tmp_path / "cache"), "PYTHONPATH": f"{repo}{os.pathsep}{tmp_path}"}
+    for name in [k for k in env if k.startswith("PYTEST_")]:
+        env.pop(name)
+    runs = [subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300) for _ in range(2)]
+    for r in runs:
+        assert r.returncode == 0 and "1 passed" in r.stdout, (r.stdout + r.stderr)[-3000:]
+    assert "HEAVY ['torch', 'transformers']" in runs[0].stdout, runs[0].stdout[-2000:]
+    assert "HEAVY []" in runs[1].stdout, runs[1].stdout[-2000:]
