@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from fixtures.prompts import default_prompts_path
 from ladder import graph_store
 from ladder.tokens import Reference, bounds_from_floor
 
@@ -191,6 +192,8 @@ def test_a_graph_rung_whose_runs_are_kept_imports_neither_torch_nor_transformers
     """The same graph case twice in fresh processes: the first computes the reference (torch and
     transformers imported), the second reads its kept run and kept bounds (neither imported). A plugin
     of the test's own prints which were imported when the session ends."""
+    one = tmp_path / "one-prompt.jsonl"  # one prompt: the first run's bounds measure one floor prompt
+    one.write_text(default_prompts_path().read_text().splitlines()[0] + "\n")
     (tmp_path / "heavycheck.py").write_text(
         "import sys\n"
         "def pytest_sessionfinish(session):\n"
@@ -198,7 +201,7 @@ def test_a_graph_rung_whose_runs_are_kept_imports_neither_torch_nor_transformers
     repo = Path(graph_store.__file__).resolve().parents[1]
     cmd = [sys.executable, "-m", "pytest", str(repo / "ladder" / "graph" / "test_graph.py"), "-p", "ladder.plugin",
            "-p", "heavycheck", "-c", os.devnull, "--rootdir", str(repo), "-p", "no:cacheprovider", "-q", "-s",
-           "--backend", "numpy", "--model", str(tiny_model_path), "-k", "heldout-000 and greedy"]
+           "--backend", "numpy", "--model", str(tiny_model_path), "--prompts", str(one), "-k", "greedy"]
     env = {**os.environ, "NANOQWEN_CACHE": str(tmp_path / "cache"), "PYTHONPATH": f"{repo}{os.pathsep}{tmp_path}"}
     for name in [k for k in env if k.startswith("PYTEST_")]:
         env.pop(name)

@@ -186,6 +186,8 @@ def test_the_fork_server_refuses_to_hold_a_module_a_mutant_edits():
     from ladder.tools.forkserver import preimport
 
     assert "numpy" in preimport(["kernels/numpy/no_such_module.py"])  # imported by no library: fine
+    unit_only = preimport(["kernels/numpy/no_such_module.py"], rungs=["unit"])
+    assert "pytest" in unit_only and "transformers" not in unit_only, "a unit-only server imports the HF reference"
     with pytest.raises(RuntimeError, match="which mutants edit"):
         preimport(["numpy/__init__.py"])  # imported by the server itself: a child would see the old one
 

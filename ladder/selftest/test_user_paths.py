@@ -85,13 +85,15 @@ def test_ladder_rung_from_a_foreign_folder_writes_its_report_there(tmp_path, run
     checkout_untouched(before)
 
 
-@pytest.mark.parametrize("which", ["with-tokenizer", "without-tokenizer"])
-def test_ladder_on_the_users_hf_folder_is_green(tmp_path, user_models, which):
+@pytest.mark.parametrize("which, quant", [("with-tokenizer", "int4_sym_g128"), ("without-tokenizer", "int8_sym_channel")])
+def test_ladder_on_the_users_hf_folder_is_green(tmp_path, user_models, which, quant):
     """A user's own Qwen2 folder: its tokenizer re-tokenizes the prompts' text; without one, the prompts
-    are drawn inside its vocab. Layer and graph rungs both run on it."""
+    are drawn inside its vocab. Layer and graph rungs both run on it, in one format each (the folder's
+    conversion and prompts are what is under test here; the rungs check every format on the default
+    model, and each format's first graph run on a new model measures its bounds: 20 s of a CI core)."""
     model = user_models[0] if which == "with-tokenizer" else user_models[1]
-    r = nanoqwen("ladder", "--model", str(model), "--rungs", "layer,graph", "-n", "0", "--backend", "numpy",
-                 "--report", "rep", "--skip-determinism", "--",
+    r = nanoqwen("ladder", "--model", str(model), "--quant", quant, "--rungs", "layer,graph", "-n", "0",
+                 "--backend", "numpy", "--report", "rep", "--skip-determinism", "--",
                  "-k", "hf_decoder_layer or heldout-000 or heldout-041 or heldout-077", cwd=tmp_path)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]

@@ -34,13 +34,17 @@ import time
 HEAVY = ("numpy", "torch", "transformers", "transformers.models.qwen2.modeling_qwen2", "safetensors.numpy",
          "tokenizers", "hypothesis", "hypothesis.extra.numpy", "pytest", "_pytest.python", "_pytest.fixtures",
          "cupy")  # importing CuPy creates no CUDA context
+REFERENCE_ONLY = ("transformers", "transformers.models.qwen2.modeling_qwen2", "tokenizers")  # the layer and graph
+# rungs' HF reference: 3.6 s of a CI core to import, which a unit-only run never needs
 
 
-def preimport(mutated: list[str]) -> list[str]:
+def preimport(mutated: list[str], rungs: list[str] | None = None) -> list[str]:
     """Import the heavy libraries (those not installed are left to the child); returns the ones imported.
-    `mutated`: the sources (relative to the tree) the mutants edit; none of them may be imported here."""
+    `mutated`: the sources (relative to the tree) the mutants edit; none of them may be imported here.
+    `rungs`: the rungs the children run (None: any); a unit-only server leaves the HF reference out."""
     done = []
-    for name in HEAVY:
+    skip = REFERENCE_ONLY if rungs is not None and not {"layer", "graph"} & set(rungs) else ()
+    for name in (n for n in HEAVY if n not in skip):
         try:
             __import__(name)
             done.append(name)
@@ -93,10 +97,14 @@ def run_child(args: list[str], timeout: float, log: str) -> dict:
         time.sleep(0.02)
 
 
-def main(mutated: list[str]) -> int:
+def main(argv: list[str]) -> int:
+    """argv: [--rungs=unit,layer,...] then the mutated sources."""
+    rungs = None
+    if argv and argv[0].startswith("--rungs="):
+        rungs, argv = argv[0].partition("=")[2].split(","), argv[1:]
     out = sys.stdout
     sys.stdout = sys.stderr  # anything the imports print must not reach the protocol stream
-    preimport(mutated)
+    preimport(argv, rungs)
     out.write(json.dumps({"ready": True}) + "\n")
     out.flush()
     for line in sys.stdin:

@@ -156,7 +156,8 @@ class Worker:
         self.server = None
 
     def _start(self):
-        self.server = subprocess.Popen([sys.executable, "-m", "ladder.tools.forkserver", *self.files], cwd=self.dir,
+        self.server = subprocess.Popen([sys.executable, "-m", "ladder.tools.forkserver",
+                                        f"--rungs={','.join(self.rungs)}", *self.files], cwd=self.dir,
                                        env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                        start_new_session=True)
         ready = self.server.stdout.readline()
