@@ -28,6 +28,7 @@ from engine.formats.int4_asym_g128 import pack_scale_zero, unpack_scale_zero
 from engine.formats.int4_sym_g128 import unpack
 from fixtures.strategies import quantizable_weight, rng_for, seeds
 from ladder.compare import assert_close, assert_equal
+from ladder.harness import by_row_blocks
 from ladder.nested import REPO, child_env, skip_inside_nested_run
 from reference.formats import REF_DEQUANT, ref_e4m3
 
@@ -67,6 +68,21 @@ def test_fuse_stacks_the_rows_of_its_parts(name):
     parts = [fmt.quantize(quantizable_weight(rng, rows, 256)) for rows in (3, 5, 2)]
     fused = fmt.fuse(parts)
     assert_equal("fuse", fmt.dequantize(fused), np.concatenate([fmt.dequantize(p) for p in parts]), backend="numpy", case=name)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_row_blocks_quantized_and_read_apart_are_the_whole_weight_bit_for_bit(name):
+    """The unit rung quantizes and reads its 7B-shape weights by row blocks in threads (ladder/harness.py
+    by_row_blocks): that is the same as one call only if every tensor of the format is kept row by row."""
+    fmt, rng = get_format(name), rng_for(5)
+    w = quantizable_weight(rng, 37, 512)
+    whole = fmt.quantize(w)
+    fused = fmt.fuse(by_row_blocks(lambda part: fmt.quantize(part["w"]), {"w": w}, blocks=4))
+    assert fused.keys() == whole.keys()
+    for k in whole:
+        assert fused[k].dtype == whole[k].dtype and np.array_equal(fused[k], whole[k]), f"{name}: tensor {k} differs"
+    apart = np.concatenate(by_row_blocks(REF_DEQUANT[name], whole, blocks=4))
+    assert np.array_equal(apart, REF_DEQUANT[name](whole)), f"{name}: the reference reading differs by row blocks"
 
 
 @pytest.mark.parametrize("name", NAMES)
