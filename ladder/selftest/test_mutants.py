@@ -258,3 +258,65 @@ def test_python_mutants_leave_annotations_alone(tmp_path):
     found = {(m.line, m.original, m.replacement) for m in python_mutants(src, "k.py")}
     assert {o for _, o, _ in found} == {"1", "|", "2"}  # the default, the body's `|` and its literal
     assert all(line != 2 or o != "|" for line, o, _ in found) and (3, "|", "&") in found
+
+
+ROPE_CASE = "ladder/unit/test_ops.py::test_rope_kv_write_rotates_and_writes_only_its_slots[numpy]"
+
+
+def _ladder_report(folder, **meta) -> None:
+    """A ladder report folder with a unit rung whose map says one rope case launches `rotate`."""
+    folder.mkdir()
+    base = {"model": "default", "backends": ["numpy"], "result": "passed", "shard": None, "plant_fault": None,
+            "changed": None}
+    (folder / "report.json").write_text(json.dumps({"meta": {**base, **meta}}))
+    (folder / "unit.json").write_text(json.dumps({"launches": {ROPE_CASE:
+                                                               ["kernels/numpy/__init__.py::rotate"]},
+                                                  "case_seconds": {}}))
+
+
+@skip_inside_nested_run
+def test_a_green_ladder_report_stands_in_for_the_clean_run(tmp_path):
+    """--launches: the nightly's own report gives the map; no clean run, and the mutants run against it.
+    (That a ladder run writes such a report: ladder/selftest/test_launches.py.)"""
+    killed = _mutant("kernels/numpy/__init__.py", "rotate", "*", "+")
+    _ladder_report(tmp_path / "night")  # what a green `nanoqwen ladder --record-launches` report holds
+    (tmp_path / "earlier").mkdir()  # --rerun of an earlier report that holds this one mutant as a survivor
+    (tmp_path / "earlier" / "mutate.json").write_text(json.dumps(_report({killed.signature: "survived"})))
+    r = subprocess.run([sys.executable, "-m", "ladder", "mutate", "--files", "kernels/numpy/__init__.py", "--rungs", "unit",
+                        "-j", "1", "--rerun", str(tmp_path / "earlier"), "--launches", str(tmp_path / "night"),
+                        "--report", str(tmp_path / "m")], cwd=tmp_path, capture_output=True, text=True,
+                       env=child_env("numpy"), timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "clean unit rung" not in r.stdout, "a clean run ran although the report gave the map"
+    rep = json.loads((tmp_path / "m" / "mutate.json").read_text())
+    assert [(m["signature"], m["outcome"]) for m in rep["mutants"]] == [(killed.signature, "killed")]
+    assert rep["meta"]["launches"] == str(tmp_path / "night")
+
+
+@pytest.mark.parametrize("meta, why", [
+    ({"result": "failed"}, "its ladder is red"),
+    ({"shard": "1/3"}, "shard 1/3"),
+    ({"plant_fault": "nibble_swap"}, "planted fault"),
+    ({"changed": "HEAD~1"}, "--changed"),
+    ({"backends": ["cuda"]}, "not numpy"),
+    ({"model": "/models/mine.nanoqwen"}, "not the default"),
+    (None, "not a ladder report folder"),
+])
+def test_a_report_that_cannot_stand_in_for_the_clean_run_is_refused_in_one_line(tmp_path, meta, why):
+    if meta is not None:
+        _ladder_report(tmp_path / "night", **meta)
+    r = subprocess.run([sys.executable, "-m", "ladder", "mutate", "--rungs", "unit", "--sample", "1", "--launches",
+                        str(tmp_path / "night"), "--report", str(tmp_path / "m")], cwd=tmp_path, capture_output=True,
+                       text=True, env=child_env("numpy"), timeout=300)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and why in r.stderr, r.stderr
+    assert "--launches" in r.stderr and not (tmp_path / "m").exists()
+
+
+def test_a_rung_without_its_map_is_refused(tmp_path):
+    from ladder.tools.mutate import MutateArgumentError, map_from_report
+
+    _ladder_report(tmp_path / "night")
+    with pytest.raises(MutateArgumentError, match="no layer rung"):
+        map_from_report(str(tmp_path / "night"), "numpy", ["unit", "layer"])
+    maps, seconds = map_from_report(str(tmp_path / "night"), "numpy", ["unit"])
+    assert list(maps["unit"].values()) == [["kernels/numpy/__init__.py::rotate"]] and seconds == {"unit": {}}

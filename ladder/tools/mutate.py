@@ -132,6 +132,39 @@ def clean_run(backend: str, rungs, jobs: int, extra: list[str], env: dict, folde
     return maps, seconds
 
 
+def map_from_report(folder: str, backend: str, rungs) -> tuple[dict, dict]:
+    """(maps, seconds) as `clean_run` gives them, read from a green `nanoqwen ladder` report on this backend
+    (the nightly's own, run a moment before on the same tree): its rung files hold the launch map and each
+    case's seconds. A report that cannot stand in for a clean run is refused, one line (exit 2): red, a
+    shard (a part of the cases), a planted fault, a --changed selection, another backend or model, or a
+    rung that did not run or kept no map."""
+    path = Path(folder).expanduser().resolve()
+    try:
+        meta = json.loads((path / "report.json").read_text())["meta"]
+    except (OSError, ValueError, KeyError) as e:
+        raise MutateArgumentError(f"--launches {folder}: not a ladder report folder ({e})") from None
+    why = ("its ladder is red" if meta.get("result") != "passed" else
+           f"it is shard {meta['shard']}, which maps part of the cases" if meta.get("shard") else
+           "it ran with a planted fault" if meta.get("plant_fault") else
+           "it ran a --changed selection" if meta.get("changed") else
+           f"it ran on {', '.join(meta.get('backends') or ['?'])}, not {backend}" if backend not in (meta.get("backends") or []) else
+           f"it ran on the model {meta.get('model')}, not the default" if meta.get("model") != "default" else None)
+    maps, seconds = {}, {}
+    for rung in rungs if why is None else ():
+        try:
+            data = json.loads((path / f"{rung}.json").read_text())
+        except (OSError, ValueError):
+            why = f"it has no {rung} rung"
+            break
+        if not data.get("launches"):
+            why = f"its {rung} rung kept no launch map (run it with --record-launches)"
+            break
+        maps[rung], seconds[rung] = data["launches"], data.get("case_seconds", {})
+    if why:
+        raise MutateArgumentError(f"--launches {folder}: cannot stand in for the clean run: {why}")
+    return maps, seconds
+
+
 class Worker:
     """A private copy of the tree and a warm fork server (ladder/tools/forkserver.py) started in it. A mutant is
     written into the copy, each rung runs only the cases of the launch map that launch the mutated function,
@@ -240,8 +273,10 @@ class Worker:
 # --- the run -----------------------------------------------------------------------------------------
 
 
-def run(mutants: list[Mutant], backend: str, rungs, jobs: int, timeout: float, extra: list[str], log=print) -> list[dict]:
-    """Each mutant's record (its fields, outcome, the rung that killed it, seconds, cases run)."""
+def run(mutants: list[Mutant], backend: str, rungs, jobs: int, timeout: float, extra: list[str], log=print,
+        launches: tuple[dict, dict] | None = None) -> list[dict]:
+    """Each mutant's record (its fields, outcome, the rung that killed it, seconds, cases run). `launches`:
+    the (maps, seconds) of a green report (map_from_report) instead of the clean run."""
     results: list[dict] = []
     if not mutants:
         return results
@@ -252,7 +287,7 @@ def run(mutants: list[Mutant], backend: str, rungs, jobs: int, timeout: float, e
         # and a worker's child then compiles only the module its mutant changed.
         env = child_env(backend, pythonpath=str(ROOT), CUPY_CACHE_DIR=str(Path(tmp) / "cupy-cache"),
                         HYPOTHESIS_STORAGE_DIRECTORY=str(Path(tmp) / "hypothesis-clean"))
-        maps, seconds = clean_run(backend, rungs, jobs, extra, env, Path(tmp), log)
+        maps, seconds = launches or clean_run(backend, rungs, jobs, extra, env, Path(tmp), log)
         files = sorted({m.file for m in mutants})
         workers = [Worker(Path(tmp), i, backend, rungs, timeout, extra, maps, seconds, env, files)
                    for i in range(max(1, min(jobs, len(mutants))))]
@@ -299,6 +334,7 @@ def _run(args) -> int:
         files = kernel_files(args.files.split(",") if args.files else DEFAULT_FILES.get(args.backend, ()))
         baseline = _earlier_report("--baseline", args.baseline) if args.baseline else None
         rerun = _earlier_report("--rerun", args.rerun) if args.rerun else None
+        launches = map_from_report(args.launches, args.backend, rungs) if args.launches else None
         ok, why = backend_available(args.backend)
         if not ok and not args.list:
             raise MutateArgumentError(f"--backend {args.backend}: cannot run here ({why})")
@@ -328,12 +364,14 @@ def _run(args) -> int:
           f"rungs {','.join(rungs)}, {args.jobs} workers", flush=True)
     t0 = time.perf_counter()
     try:
-        results = run(chosen, args.backend, rungs, args.jobs, args.timeout, extra, log=lambda s: print(s, flush=True))
+        results = run(chosen, args.backend, rungs, args.jobs, args.timeout, extra, log=lambda s: print(s, flush=True),
+                      launches=launches)
     except NanoqwenError as e:
         print(f"nanoqwen: error: {e}", file=sys.stderr)
         return 2
     report = {"meta": {"backend": args.backend, "rungs": rungs, "files": files, "seed": args.seed, "sample": args.sample,
                        "candidates": len(candidates), "run": len(chosen), "pytest_args": extra,
+                       "launches": str(Path(args.launches).resolve()) if args.launches else None,
                        "seconds": time.perf_counter() - t0, "started": datetime.datetime.now().isoformat(timespec="seconds")},
               "summary": summarize(results, equivalents), "mutants": results, "equivalents": equivalents}
     if baseline is not None:
@@ -386,6 +424,8 @@ def register(subparsers) -> None:
                    "it detected is lost here, or the score over the mutants both scored is lower")
     m.add_argument("--rerun", metavar="DIR", help="run only the mutants that survived in an earlier report (after "
                    "strengthening the rungs); with --baseline DIR too, the report shows which are now killed")
+    m.add_argument("--launches", metavar="REPORT", help="a green `nanoqwen ladder` report folder of this backend and "
+                   "tree whose launch map and case times replace the clean run (the nightly passes its own)")
     m.add_argument("--list", action="store_true", help="list the chosen mutants and stop")
     m.add_argument("pytest_args", nargs="*", metavar="-- PYTEST ARGS", help="passed to every rung's pytest")
     m.set_defaults(func=_run)
