@@ -205,6 +205,37 @@ def test_a_run_past_its_timeout_is_killed_with_its_process_group(tmp_path):
                      str(tmp_path / "log")) == {"exit": 0}
 
 
+def test_the_watchdog_kills_a_case_past_its_own_limit_and_names_it(tmp_path):
+    """A hung kernel blocks its child in a device wait: the server kills the child once one case has run
+    past its own limit, long before the run's timeout, and names that case. Cases within their limits,
+    however many, pass."""
+    from ladder.tools.forkserver import run_child
+
+    test = tmp_path / "test_watch.py"
+    test.write_text("import time\n\n"
+                    + "".join(f"def test_quick_{i}():\n    time.sleep(0.05)\n\n" for i in range(20))
+                    + "def test_hangs():\n    time.sleep(300)\n")
+    ids = [f"test_watch.py::test_quick_{i}" for i in range(20)] + ["test_watch.py::test_hangs"]
+    args = [str(test), "-q", "-p", "no:cacheprovider", "-c", "/dev/null", "--rootdir", str(tmp_path)]
+    t0 = time.monotonic()
+    res = run_child(args, 600.0, str(tmp_path / "log"), {i: 0.5 if "hangs" in i else 0.3 for i in ids})
+    assert res["timed_out"] and res["hung"] == "test_watch.py::test_hangs" and 0.5 <= res["after"] < 10
+    assert time.monotonic() - t0 < 60, "the watchdog waited for the run's timeout"
+    quick = [str(test) + "::" + i.split("::")[1] for i in ids[:20]]
+    res = run_child([*quick, *args[1:]], 600.0, str(tmp_path / "log"), {i: 0.3 for i in ids})
+    assert res == {"exit": 0}, "cases within their limits were killed (1 s of cases against 0.3 s limits each)"
+
+
+def test_a_hung_mutant_is_timed_out_with_its_case_named():
+    from ladder.tools.mutate import CASE_ALLOWANCE, HANG_FACTOR, Worker
+
+    w = Worker.__new__(Worker)
+    w.timeout, w.seconds = None, {"unit": {"a": 2.0}}
+    assert w.case_limits("unit", ["a", "b"]) == {"a": CASE_ALLOWANCE + HANG_FACTOR * 2.0, "b": CASE_ALLOWANCE + HANG_FACTOR}
+    w.timeout = 7.0
+    assert w.case_limits("unit", ["a"]) is None, "a fixed --timeout is the only limit"
+
+
 def test_the_automatic_timeout_grows_with_what_the_cases_cost_in_the_clean_run():
     from ladder.tools.mutate import HANG_FACTOR, START_ALLOWANCE, Worker
 

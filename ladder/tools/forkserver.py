@@ -6,10 +6,17 @@
 A fresh pytest process per mutant and rung spends most of its time before the first test: about 7 s
 importing torch, transformers, Hypothesis and pytest on 2 cores, and on a GPU compiling every CUDA
 module again. This process imports those libraries once, then answers requests on stdin, one JSON
-line each: `{"args": [pytest arguments], "timeout": seconds, "log": file}`. For each it forks a child
-that runs `pytest.main(args)` with its output in `log`, and answers one JSON line on stdout:
-`{"exit": code}`, or `{"exit": null, "timed_out": true}` when the child ran past the timeout and was
-killed with its whole process group.
+line each: `{"args": [pytest arguments], "timeout": seconds, "log": file, "cases": {node id: seconds}}`.
+For each it forks a child that runs `pytest.main(args)` with its output in `log`, and answers one JSON
+line on stdout: `{"exit": code}`, or `{"exit": null, "timed_out": true, ...}` when the child was killed
+with its whole process group.
+
+The watchdog: a mutant that hangs a kernel (a loop whose bound it broke) blocks its child inside a
+device wait, where nothing in the child can interrupt it. So the child writes the node id of each case
+as it starts into a progress file, and the server, polling every 20 ms, kills the child as soon as one
+case has run past its own limit (`cases`, from the clean run's time for that case), answering
+`"hung": node id, "after": seconds`. The whole run's `timeout` stays as the backstop (collection, or a
+case without a limit).
 
 What must hold for a child to see the mutant:
 - No module a mutant edits is imported here (checked after the imports): each child imports it from
@@ -57,9 +64,39 @@ def preimport(mutated: list[str], rungs: list[str] | None = None) -> list[str]:
     return done
 
 
-def run_child(args: list[str], timeout: float, log: str) -> dict:
+class _Progress:
+    """The child's plugin: the count and node id of each case, written to `path` as it starts (the watchdog
+    reads it; the count tells two cases of one id, or a case that started within a clock tick, apart)."""
+
+    def __init__(self, path: str):
+        self.path, self.started = path, 0
+
+    def pytest_runtest_logstart(self, nodeid, location):
+        self.started += 1
+        with open(self.path, "w") as f:
+            f.write(f"{self.started}\t{nodeid}")
+
+
+def _current_case(path: str, seen: tuple) -> tuple:
+    """(node id, when it started by this clock, the file's line) of the case the child runs: a new one when
+    the progress file's line changed since `seen`, else `seen` (a line half written reads as no change)."""
+    try:
+        with open(path) as f:
+            line = f.read()
+    except FileNotFoundError:
+        return seen
+    count, tab, nodeid = line.partition("\t")
+    if not tab or not count.isdigit() or (seen and seen[2] == line):
+        return seen
+    return (nodeid, time.monotonic(), line)
+
+
+def run_child(args: list[str], timeout: float, log: str, cases: dict[str, float] | None = None) -> dict:
     sys.stdout.flush()
     sys.stderr.flush()
+    progress = f"{log}.progress"
+    if os.path.exists(progress):
+        os.unlink(progress)
     pid = os.fork()
     if pid == 0:  # the child: its own process group, so a timeout kills everything it started
         code = 3
@@ -70,7 +107,7 @@ def run_child(args: list[str], timeout: float, log: str) -> dict:
             os.dup2(fd, 2)
             import pytest
 
-            code = int(pytest.main(args))
+            code = int(pytest.main(args, plugins=[_Progress(progress)]))
         except BaseException as e:  # noqa: BLE001 - whatever happens, the server gets an exit code
             try:
                 os.write(2, f"fork server child: {type(e).__name__}: {e}\n".encode())
@@ -83,16 +120,22 @@ def run_child(args: list[str], timeout: float, log: str) -> dict:
             finally:
                 os._exit(code)
     deadline = time.monotonic() + timeout
+    current = ()
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
             return {"exit": os.waitstatus_to_exitcode(status)}
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        current = _current_case(progress, current) if cases else ()
+        hung = bool(current) and current[0] in cases and now - current[1] > cases[current[0]]
+        if hung or now > deadline:
             try:
                 os.killpg(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
             os.waitpid(pid, 0)
+            if hung:
+                return {"exit": None, "timed_out": True, "hung": current[0], "after": round(now - current[1], 1)}
             return {"exit": None, "timed_out": True}
         time.sleep(0.02)
 
@@ -111,7 +154,7 @@ def main(argv: list[str]) -> int:
         if not line.strip():
             continue
         req = json.loads(line)
-        res = run_child(req["args"], float(req["timeout"]), req["log"])
+        res = run_child(req["args"], float(req["timeout"]), req["log"], req.get("cases"))
         out.write(json.dumps(res) + "\n")
         out.flush()
     return 0

@@ -15,8 +15,10 @@ rung run; on CUDA the children share one kernel cache, so a mutant costs the com
 Outcomes:
 
 - `killed` (a rung failed, or could not collect: an import that breaks is noticed too),
-- `survived`, `timed_out` (past --timeout, by default 60 s plus three times what the same cases took in
-  the clean run: counted as detected, as a hang would be),
+- `survived`, `timed_out` (counted as detected, as a hang would be): a case ran past its own limit, 20 s
+  plus three times its clean-run time, and the fork server's watchdog killed the child and named the case
+  (`hung` in the record); or the rung ran past --timeout, by default 60 s plus three times what the same
+  cases took in the clean run (with --timeout, the watchdog is off),
 - `did_not_compile` (a Python mutant that no longer parses, a CUDA mutant NVRTC refuses): not scored,
 - `not_launched`: no case of the rungs run launches the mutated function; not run, not scored, listed,
 - `equivalent`: on the reviewed list of ladder/tools/equivalent_mutants.json (a signature and the reason
@@ -58,6 +60,7 @@ EQUIVALENT_FILE = Path(__file__).resolve().parent / "equivalent_mutants.json"
 TREE = ("engine", "kernels", "ladder", "reference", "fixtures", "bench", "conftest.py", "pyproject.toml")
 DEFAULT_FILES = {"numpy": ("kernels/numpy/*.py",), "cuda": ("kernels/cuda/*.cu", "kernels/cuda/*.cuh")}
 START_ALLOWANCE, HANG_FACTOR = 60.0, 3.0  # the automatic timeout: 60 s + 3x the clean run's time for the cases
+CASE_ALLOWANCE = 20.0  # the watchdog: a case hangs past 20 s + 3x its clean time (the first one compiles the mutant)
 
 
 class MutateArgumentError(NanoqwenError):
@@ -187,6 +190,7 @@ class Worker:
                     "HYPOTHESIS_STORAGE_DIRECTORY": str(self.dir / ".hypothesis")}
         self.log = self.dir / "rung.log"
         self.server = None
+        self.hung = None  # the case the watchdog killed in the last rung run, and after how long
 
     def _start(self):
         self.server = subprocess.Popen([sys.executable, "-m", "ladder.tools.forkserver",
@@ -238,7 +242,8 @@ class Worker:
                     continue
                 outcome = self._ask(rung, ids)
                 if outcome != "passed":
-                    return {"outcome": outcome, "rung": rung, "seconds": round(time.perf_counter() - t0, 2), "cases": cases}
+                    rec = {"outcome": outcome, "rung": rung, "seconds": round(time.perf_counter() - t0, 2), "cases": cases}
+                    return {**rec, "hung": self.hung} if outcome == "timed_out" and self.hung else rec
             return {"outcome": "survived", "rung": None, "seconds": round(time.perf_counter() - t0, 2), "cases": cases}
         finally:
             path.write_text(original)
@@ -251,9 +256,18 @@ class Worker:
         clean = self.seconds.get(rung, {})
         return START_ALLOWANCE + HANG_FACTOR * sum(clean.get(n, 1.0) for n in ids)
 
+    def case_limits(self, rung: str, ids: list[str]) -> dict[str, float] | None:
+        """The watchdog's limit per case (ladder/tools/forkserver.py); none under a fixed --timeout."""
+        if self.timeout is not None:
+            return None
+        clean = self.seconds.get(rung, {})
+        return {n: CASE_ALLOWANCE + HANG_FACTOR * clean.get(n, 1.0) for n in ids}
+
     def _ask(self, rung: str, ids: list[str]) -> str:
         args = [*ids, *_rung_args(rung, self.dir, self.backend, ["-x", "-p", "no:xdist", *self.extra])]
-        self.server.stdin.write(json.dumps({"args": args, "timeout": self.timeout_for(rung, ids), "log": str(self.log)}) + "\n")
+        self.hung = None
+        self.server.stdin.write(json.dumps({"args": args, "timeout": self.timeout_for(rung, ids), "log": str(self.log),
+                                            "cases": self.case_limits(rung, ids)}) + "\n")
         self.server.stdin.flush()
         answer = self.server.stdout.readline()
         if not answer:  # the server itself died (a mutant cannot reach it: it runs in the child)
@@ -261,6 +275,7 @@ class Worker:
             raise MutateError(f"the fork server of worker {self.dir.name} died running {rung}")
         res = json.loads(answer)
         if res.get("timed_out"):
+            self.hung = {"case": res["hung"], "after": res["after"]} if res.get("hung") else None
             return "timed_out"
         if res["exit"] in (0, 5):  # 5: nothing selected (every case deselected by the user's own -k)
             return "passed"
@@ -309,6 +324,7 @@ def run(mutants: list[Mutant], backend: str, rungs, jobs: int, timeout: float, e
                         results.append(rec)
                         log(f"[{len(results)}/{len(mutants)}] {rec['outcome']:<15} {m.describe()}"
                             + (f" (rung {rec['rung']})" if rec["rung"] else "")
+                            + (f" hung in {rec['hung']['case']}" if rec.get("hung") else "")
                             + f"  {rec['cases']} cases  {time.perf_counter() - t0:.0f}s")
         finally:
             for w in workers:

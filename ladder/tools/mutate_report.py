@@ -97,6 +97,13 @@ def markdown(report: dict) -> str:
     lines += ["", f"## Survivors ({len(survivors)})", ""]
     lines += [f"- `{r['file']}:{r['line']}` in `{r['function']}`: `{r['original']}` -> `{r['replacement']}` "
               f"({r['kind']}; signature `{r['signature']}`)" for r in survivors] or ["none"]
+    hung = [r for r in report["mutants"] if r["outcome"] == "timed_out"]
+    lines += ["", f"## Timed out ({len(hung)}, counted as detected)", "",
+              "A mutant whose case ran past its own limit (20 s + 3x its clean time) was killed by the watchdog, "
+              "which names the case: a hang the rungs caught. One without a case ran past the whole run's timeout.", ""]
+    lines += [f"- `{r['file']}:{r['line']}` in `{r['function']}`: `{r['original']}` -> `{r['replacement']}`: "
+              + (f"hung in `{r['hung']['case']}` (killed after {r['hung']['after']} s)" if r.get("hung")
+                 else f"past the run's timeout in the {r['rung']} rung") for r in hung] or ["none"]
     idle = [r for r in report["mutants"] if r["outcome"] == "not_launched"]
     lines += ["", f"## Not launched by any case of the rungs run ({len(idle)}, not scored)", ""]
     lines += [f"- `{r['file']}:{r['line']}` in `{r['function']}`: `{r['original']}` -> `{r['replacement']}`" for r in idle[:200]] or ["none"]
