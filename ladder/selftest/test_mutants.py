@@ -158,6 +158,22 @@ def test_a_mutant_in_code_no_case_launches_is_not_run_and_not_scored():
 
 
 @skip_inside_nested_run
+def test_mutants_left_when_the_budget_is_spent_are_not_run_and_not_scored():
+    from ladder.tools.mutate_report import markdown, summarize
+
+    chosen = [_mutant("kernels/numpy/__init__.py", "rotate", "*", "+"),
+              _mutant("kernels/numpy/linear.py", "<module>", "18", "17")]
+    results = run(chosen, "numpy", ["unit"], jobs=1, timeout=600, extra=["-k", "test_ops and rope"], log=lambda s: None,
+                  launches=({"unit": {}}, {"unit": {}}), budget=0.0)
+    assert [r["outcome"] for r in results] == ["not_run", "not_run"]
+    summary = summarize(results, {})
+    assert summary["total"]["not_run"] == 2 and summary["total"]["score"] is None
+    report = {"meta": {"backend": "numpy", "rungs": ["unit"], "run": 2, "candidates": 2, "seed": 0, "seconds": 0.0},
+              "summary": summary, "mutants": results, "equivalents": {}}
+    assert "2 mutants were not run: the --budget" in markdown(report)
+
+
+@skip_inside_nested_run
 def test_rungs_red_on_the_unmutated_tree_refuse_the_run(tmp_path):
     r = subprocess.run([sys.executable, "-m", "ladder", "mutate", "--sample", "1", "--rungs", "unit", "-j", "1",
                         "--report", str(tmp_path / "m"), "--", "-k", "test_ops and attention_decode",

@@ -21,6 +21,7 @@ Outcomes:
   cases took in the clean run (with --timeout, the watchdog is off),
 - `did_not_compile` (a Python mutant that no longer parses, a CUDA mutant NVRTC refuses): not scored,
 - `not_launched`: no case of the rungs run launches the mutated function; not run, not scored, listed,
+- `not_run`: left when the --budget of wall time was spent; not scored, counted,
 - `equivalent`: on the reviewed list of ladder/tools/equivalent_mutants.json (a signature and the reason
   it cannot change any output); not run, not scored, shown in the report.
 
@@ -288,10 +289,16 @@ class Worker:
 # --- the run -----------------------------------------------------------------------------------------
 
 
+def _user_kernel_cache() -> Path:
+    """CuPy's on-disk kernel cache of this user (CUPY_CACHE_DIR, else CuPy's default)."""
+    return Path(os.environ.get("CUPY_CACHE_DIR") or Path.home() / ".cupy" / "kernel_cache")
+
+
 def run(mutants: list[Mutant], backend: str, rungs, jobs: int, timeout: float, extra: list[str], log=print,
-        launches: tuple[dict, dict] | None = None) -> list[dict]:
+        launches: tuple[dict, dict] | None = None, budget: float | None = None) -> list[dict]:
     """Each mutant's record (its fields, outcome, the rung that killed it, seconds, cases run). `launches`:
-    the (maps, seconds) of a green report (map_from_report) instead of the clean run."""
+    the (maps, seconds) of a green report (map_from_report) instead of the clean run. `budget`: seconds of
+    wall time after which no further mutant starts; those left get the outcome `not_run` (not scored)."""
     results: list[dict] = []
     if not mutants:
         return results
@@ -302,6 +309,10 @@ def run(mutants: list[Mutant], backend: str, rungs, jobs: int, timeout: float, e
         # and a worker's child then compiles only the module its mutant changed.
         env = child_env(backend, pythonpath=str(ROOT), CUPY_CACHE_DIR=str(Path(tmp) / "cupy-cache"),
                         HYPOTHESIS_STORAGE_DIRECTORY=str(Path(tmp) / "hypothesis-clean"))
+        if launches and _user_kernel_cache().is_dir():
+            # No clean run compiles the modules into the run's cache: start it from the user's, which the
+            # ladder run that made the report filled (else every worker's canary compiles every module).
+            shutil.copytree(_user_kernel_cache(), Path(tmp) / "cupy-cache")
         maps, seconds = launches or clean_run(backend, rungs, jobs, extra, env, Path(tmp), log)
         files = sorted({m.file for m in mutants})
         workers = [Worker(Path(tmp), i, backend, rungs, timeout, extra, maps, seconds, env, files)
@@ -313,6 +324,13 @@ def run(mutants: list[Mutant], backend: str, rungs, jobs: int, timeout: float, e
                 pending = {}
                 queue = list(mutants)
                 while queue or pending:
+                    if budget is not None and queue and time.perf_counter() - t0 > budget:
+                        log(f"the --budget of {budget:.0f} s is spent: {len(queue)} mutants not run")
+                        results += [{**m.record(), "outcome": "not_run", "rung": None, "seconds": 0.0, "cases": 0}
+                                    for m in queue]
+                        queue = []
+                        if not pending:
+                            break
                     while queue and free:
                         w, m = free.pop(), queue.pop(0)
                         pending[pool.submit(w.run, m)] = (w, m)
@@ -381,7 +399,7 @@ def _run(args) -> int:
     t0 = time.perf_counter()
     try:
         results = run(chosen, args.backend, rungs, args.jobs, args.timeout, extra, log=lambda s: print(s, flush=True),
-                      launches=launches)
+                      launches=launches, budget=args.budget)
     except NanoqwenError as e:
         print(f"nanoqwen: error: {e}", file=sys.stderr)
         return 2
@@ -398,7 +416,8 @@ def _run(args) -> int:
     t = report["summary"]["total"]
     run_s = [r["seconds"] for r in results if r["outcome"] not in ("did_not_compile", "not_launched")]
     print(f"score {_pct(t['score'])}: {t['killed']} killed, {t['timed_out']} timed out, {t['survived']} survived, "
-          f"{t['did_not_compile']} did not compile, {t['not_launched']} not launched, {t['equivalent']} reviewed "
+          f"{t['did_not_compile']} did not compile, {t['not_launched']} not launched, {t['not_run']} not run, "
+          f"{t['equivalent']} reviewed "
           f"equivalents; {sum(run_s) / max(1, len(results)):.1f} s of worker time per mutant; report in {out}")
     worse = regressions(report)
     for line in worse[:20]:
@@ -442,6 +461,8 @@ def register(subparsers) -> None:
                    "strengthening the rungs); with --baseline DIR too, the report shows which are now killed")
     m.add_argument("--launches", metavar="REPORT", help="a green `nanoqwen ladder` report folder of this backend and "
                    "tree whose launch map and case times replace the clean run (the nightly passes its own)")
+    m.add_argument("--budget", type=float, metavar="SECONDS", help="start no mutant after this many seconds of "
+                   "mutants; the rest are reported as not run and not scored (a nightly that must end on time)")
     m.add_argument("--list", action="store_true", help="list the chosen mutants and stop")
     m.add_argument("pytest_args", nargs="*", metavar="-- PYTEST ARGS", help="passed to every rung's pytest")
     m.set_defaults(func=_run)

@@ -26,7 +26,8 @@ def summarize(results: list[dict], equivalents: dict[str, dict]) -> dict:
         by_file[e["file"]]["equivalent"] += 1
         by_function[(e["file"], e["function"])]["equivalent"] += 1
     total = sum((c for c in by_file.values()), Counter())
-    row = lambda c: {**{k: c[k] for k in ("killed", "timed_out", "survived", "did_not_compile", "not_launched", "equivalent")},  # noqa: E731
+    row = lambda c: {**{k: c[k] for k in ("killed", "timed_out", "survived", "did_not_compile", "not_launched", "not_run",  # noqa: E731
+                                          "equivalent")},
                      "score": score(c)}
     return {"total": row(total),
             "files": {f: row(c) for f, c in sorted(by_file.items())},
@@ -84,7 +85,9 @@ def markdown(report: dict) -> str:
     lines = ["# Mutation report", "",
              f"Backend `{meta['backend']}`, rungs {', '.join(meta['rungs'])}, {meta['run']} of {meta['candidates']} "
              f"mutants run (seed {meta['seed']}), {meta['seconds']:.0f} s. Score = detected / (detected + survived); "
-             "mutants that do not compile, that sit in code no case launches, and reviewed equivalents are not scored.", "",
+             "mutants that do not compile, that sit in code no case launches, and reviewed equivalents are not scored."
+             + (f" {s['total']['not_run']} mutants were not run: the --budget of wall time was spent."
+                if s["total"].get("not_run") else ""), "",
              "| file | killed | timed out | survived | did not compile | not launched | equivalent | score |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for f, r in [*s["files"].items(), ("**total**", s["total"])]:
