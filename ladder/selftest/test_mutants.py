@@ -221,7 +221,7 @@ def test_a_run_past_its_timeout_is_killed_with_its_process_group(tmp_path):
                      str(tmp_path / "log")) == {"exit": 0}
 
 
-def test_the_watchdog_kills_a_case_past_its_own_limit_and_names_it(tmp_path):
+def test_the_watchdog_kills_a_case_past_its_own_limit_and_names_it(tmp_path, monkeypatch):
     """A hung kernel blocks its child in a device wait: the server kills the child once one case has run
     past its own limit, long before the run's timeout, and names that case. Cases within their limits,
     however many, pass."""
@@ -238,8 +238,11 @@ def test_the_watchdog_kills_a_case_past_its_own_limit_and_names_it(tmp_path):
     assert res["timed_out"] and res["hung"] == "test_watch.py::test_hangs" and 0.5 <= res["after"] < 10
     assert time.monotonic() - t0 < 60, "the watchdog waited for the run's timeout"
     quick = [str(test) + "::" + i.split("::")[1] for i in ids[:20]]
-    res = run_child([*quick, *args[1:]], 600.0, str(tmp_path / "log"), {i: 0.3 for i in ids})
-    assert res == {"exit": 0}, "cases within their limits were killed (1 s of cases against 0.3 s limits each)"
+    (tmp_path / "slow_end.py").write_text("import time\n\ndef pytest_sessionfinish(session):\n    time.sleep(1.5)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # the forked child imports the plugin from here
+    res = run_child([*quick, *args[1:], "-p", "slow_end"], 600.0, str(tmp_path / "log"), {i: 1.0 for i in ids})
+    assert res == {"exit": 0}, ("cases within their limits were killed (20 cases of 0.05 s against 1 s limits each, "
+                                "then 1.5 s at the session's end, which is no case's)")
 
 
 def test_a_hung_mutant_is_timed_out_with_its_case_named():

@@ -13,7 +13,7 @@ with its whole process group.
 
 The watchdog: a mutant that hangs a kernel (a loop whose bound it broke) blocks its child inside a
 device wait, where nothing in the child can interrupt it. So the child writes the node id of each case
-as it starts into a progress file, and the server, polling every 20 ms, kills the child as soon as one
+into a progress file as it starts (and clears it as it ends: the session's end is no case's), and the server, polling every 20 ms, kills the child as soon as one
 case has run past its own limit (`cases`, from the clean run's time for that case), answering
 `"hung": node id, "after": seconds`. The whole run's `timeout` stays as the backstop (collection, or a
 case without a limit).
@@ -65,13 +65,19 @@ def preimport(mutated: list[str], rungs: list[str] | None = None) -> list[str]:
 
 
 class _Progress:
-    """The child's plugin: the count and node id of each case, written to `path` as it starts (the watchdog
-    reads it; the count tells two cases of one id, or a case that started within a clock tick, apart)."""
+    """The child's plugin: a count and the node id of each case, written to `path` as it starts, and an empty
+    id as it finishes (the watchdog reads it; the count tells two writes of one id apart)."""
 
     def __init__(self, path: str):
         self.path, self.started = path, 0
 
     def pytest_runtest_logstart(self, nodeid, location):
+        self._write(nodeid)
+
+    def pytest_runtest_logfinish(self, nodeid, location):
+        self._write("")  # between cases and after the last one (the session's end) no case limit applies
+
+    def _write(self, nodeid: str) -> None:
         self.started += 1
         with open(self.path, "w") as f:
             f.write(f"{self.started}\t{nodeid}")
