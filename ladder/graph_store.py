@@ -150,6 +150,7 @@ class KeptReferences:
         from fixtures.golden import model_fingerprint
 
         self.folder = references_root() / _key("references", model_fingerprint(model_path))
+        self._used = False
 
     def get(self, ids, n_new: int, run: Callable[[], Reference]) -> Reference:
         path = self.folder / (hashlib.sha256(json.dumps([list(map(int, ids)), int(n_new)]).encode()).hexdigest()[:24]
@@ -157,24 +158,41 @@ class KeptReferences:
         if not _fresh():
             try:
                 with np.load(path) as z:
-                    return Reference(int(z["prompt_len"]), z["tokens"], z["logits"])
+                    ref = Reference(int(z["prompt_len"]), z["tokens"], z["logits"])
+                self._mark_used()
+                return ref
             except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile):
-                pass  # not kept yet, or a file another process is still renaming into place: run it
+                pass  # not kept yet, or a broken file: run it, and replace the file
         ref = run()
         self._keep(path, ref)
         return ref
 
+    def _mark_used(self) -> None:
+        """The folder's time says when its model was last used (read or written): pruning goes by it."""
+        if not self._used:
+            try:
+                os.utime(self.folder)
+                self._used = True
+            except FileNotFoundError:
+                pass
+
     def _keep(self, path: Path, ref: Reference) -> None:
         new = not self.folder.exists()
-        self.folder.mkdir(parents=True, exist_ok=True)
         tmp = self.folder / f".{path.stem}.{os.getpid()}.tmp.npz"
-        try:
-            np.savez(tmp, prompt_len=np.int64(ref.prompt_len), tokens=np.asarray(ref.tokens, dtype=np.int64),
-                     logits=np.asarray(ref.logits, dtype=np.float32))
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
-        os.utime(self.folder)  # the folder's time says when its model was last used
+        for attempt in (1, 2):  # a second time if another process pruned the folder away in between
+            self.folder.mkdir(parents=True, exist_ok=True)
+            try:
+                np.savez(tmp, prompt_len=np.int64(ref.prompt_len), tokens=np.asarray(ref.tokens, dtype=np.int64),
+                         logits=np.asarray(ref.logits, dtype=np.float32))
+                os.replace(tmp, path)
+                break
+            except FileNotFoundError:
+                if attempt == 2:
+                    raise
+            finally:
+                tmp.unlink(missing_ok=True)
+        self._used = False
+        self._mark_used()
         if new:
             _prune(self.folder.parent, KEPT_BYTES)
 

@@ -176,6 +176,14 @@ def test_fresh_references_runs_again(kept, monkeypatch):
     assert calls == [0, 0]
 
 
+def test_reading_a_kept_run_marks_its_model_used(kept, tiny_model_path):
+    kept.get([1, 2], 3, _run(0, []))
+    os.utime(kept.folder, (1_000_000, 1_000_000))  # as if last used long ago
+    calls = []
+    graph_store.KeptReferences(tiny_model_path).get([1, 2], 3, _run(0, calls))  # a later run reads it
+    assert calls == [] and time.time() - kept.folder.stat().st_mtime < 600, "a model in use would be pruned first"
+
+
 def test_the_least_recently_used_models_go_past_the_size_budget(store, tmp_path):
     root = tmp_path / "runs"
     for i, name in enumerate(("oldest", "older", "newest")):
