@@ -13,10 +13,10 @@ with its whole process group.
 
 The watchdog: a mutant that hangs a kernel (a loop whose bound it broke) blocks its child inside a
 device wait, where nothing in the child can interrupt it. So the child writes the node id of each case
-into a progress file as it starts (and clears it as it ends: the session's end is no case's), and the server, polling every 20 ms, kills the child as soon as one
-case has run past its own limit (`cases`, from the clean run's time for that case), answering
-`"hung": node id, "after": seconds`. The whole run's `timeout` stays as the backstop (collection, or a
-case without a limit).
+into a progress file as it starts, and clears it as the case ends (the session's end is no case's).
+The server, polling every 20 ms, kills the child as soon as one case has run past its own limit
+(`cases`, from the clean run's time for that case), answering `"hung": node id, "after": seconds`. The
+whole run's `timeout` stays as the backstop (collection, or a case without a limit).
 
 What must hold for a child to see the mutant:
 - No module a mutant edits is imported here (checked after the imports): each child imports it from
