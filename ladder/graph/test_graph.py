@@ -12,11 +12,11 @@ engine may not flip them more often than the plain forward does at the floor pro
 refuses a model whose allowed difference is comparable to the spread of its logits.
 
 The epsilon and the allowed difference are the model's own: the `bounds` fixture derives them once per
-model (one worker measures, the others and later runs read them: ladder/graph_store.py) from the model's noise floor (the plain fp32 forward with fp16 storage against the HF simulation)
+model (one worker measures, the others and later runs read them: ladder/reference_store.py) from the model's noise floor (the plain fp32 forward with fp16 storage against the HF simulation)
 on a spread of FLOOR_PROMPTS prompts, the same in every worker (ladder/tokens.py `derive_bounds`).
 
 The reference runs once per prompt on a machine (with its own KV cache) and serves every backend: its
-runs are kept under the cache folder with the bounds (ladder/graph_store.py), keyed by the model, the
+runs are kept under the cache folder with the bounds (ladder/reference_store.py), keyed by the model, the
 reference's sources and the library versions, so a later run, shard, bisect step or mutant reads them
 and imports neither torch nor transformers unless a run is missing. On CUDA
 the decode step runs both eager and as the captured graph. Honours `--model`, `--prompts` and
@@ -34,7 +34,7 @@ import numpy as np
 import pytest
 
 # The reference needs torch and transformers, but a run whose reference runs and bounds are kept on this
-# machine (ladder/graph_store.py) never imports them: only their presence is checked here.
+# machine (ladder/reference_store.py) never imports them: only their presence is checked here.
 for _dist in ("torch", "transformers"):
     if importlib.util.find_spec(_dist) is None:
         pytest.skip(f"the graph rung's reference (the HF simulation) needs {_dist}: pip install -e '.[test]'",
@@ -43,7 +43,7 @@ for _dist in ("torch", "transformers"):
 import engine
 from engine.modelfile import ModelFile
 from fixtures.prompts import default_prompts_path, prompts_for_model, read_prompt_ids
-from ladder.graph_store import KeptReferences, bounds_key, load_or_derive
+from ladder.reference_store import KeptReferences, bounds_key, load_or_derive
 from ladder.compare import rerun_command
 from ladder.tokens import (GraphBounds, compare_greedy, derive_bounds, engine_logits, spread_by_length,
                            reference_greedy, tokens_to_generate)
@@ -71,7 +71,7 @@ def prompts(request, model_path):
 
 class ReferenceRuns:
     """The HF simulation of one model, built on first use; each prompt's greedy run computed once on this
-    machine and kept (ladder/graph_store.py KeptReferences)."""
+    machine and kept (ladder/reference_store.py KeptReferences)."""
 
     def __init__(self, model_path, new_tokens: int | None = None):
         self.model_path = model_path
@@ -159,7 +159,7 @@ def bounds(request, model_path, prompts, references):
             runs = [(p.id, p.ids, references.get(p)) for p in chosen]
             return derive_bounds(*references.dequantized(), runs)
 
-        # measured once per model by one worker, kept for the others and for later runs (ladder/graph_store.py)
+        # measured once per model by one worker, kept for the others and for later runs (ladder/reference_store.py)
         _BOUNDS[key] = load_or_derive(bounds_key(model_path, chosen, new_tokens), derive)
     return _BOUNDS[key]
 

@@ -11,6 +11,7 @@ precision contract's fp16 storage points) against the same reference: TOL[("laye
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -27,6 +28,7 @@ from fixtures.tiny_model import random_weights
 from ladder.blockrun import run_engine_block
 from ladder.compare import assert_close
 from ladder.opcheck import first_op_over_its_bound, op_checks, recording
+from ladder.reference_store import kept_block
 from reference.model import ref_block
 
 F16, F32 = np.float16, np.float32
@@ -128,11 +130,22 @@ def model_block(model_path) -> BlockUnderTest:
 
 @pytest.fixture(scope="session")
 def hf_block():
-    pytest.importorskip("torch", reason="the HF reference needs torch (pip install -e '.[test]')")
-    pytest.importorskip("transformers", reason="the HF reference needs transformers (pip install -e '.[test]')")
-    from reference.hf import hf_block_outputs
+    """transformers' Qwen2DecoderLayer on a block's weights and input: (output, k, v). Kept per machine
+    (ladder/reference_store.py kept_block), so a run whose blocks are kept imports neither torch nor
+    transformers; only their presence is checked here."""
+    for dist in ("torch", "transformers"):
+        if importlib.util.find_spec(dist) is None:
+            pytest.skip(f"the HF reference needs {dist} (pip install -e '.[test]')")
 
-    return hf_block_outputs
+    def outputs(config, weights, layer, x):
+        def compute():
+            from reference.hf import hf_block_outputs
+
+            return hf_block_outputs(config, weights, layer, x)
+
+        return kept_block(config, weights, layer, x, compute)
+
+    return outputs
 
 
 @pytest.mark.parametrize("case", MODEL_CASES, ids=str)

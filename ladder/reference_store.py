@@ -1,29 +1,33 @@
-"""The graph rung's measurements, made once per machine and kept: the model's bounds and the reference's
-greedy runs (ladder/tokens.py `derive_bounds`, `reference_greedy`).
+"""The references' results, computed once per machine and kept: the graph rung's bounds and the HF
+simulation's greedy runs (ladder/tokens.py `derive_bounds`, `reference_greedy`), and the layer rung's HF
+decoder-layer outputs (reference/hf.py `hf_block_outputs`).
 
-Both are pure functions of their inputs and both cost more than the engine's own checks. The HF
+All are pure functions of their inputs and all cost more than the engine's own checks. The HF
 simulation's greedy run on one prompt takes about 0.12 s of a CPU thread on the default model: 11.7 s for
 the 100 prompts of one format on an H200 host, against 4 s for the engine's eager and graph runs of
 them on the GPU. Measuring a model's bounds adds a plain forward on each floor prompt: seconds on the
-default model, minutes at the 0.5B shape on a CPU. And every pytest-xdist worker, later run, shard,
-bisect step and mutant asks for the same ones.
+default model, minutes at the 0.5B shape on a CPU. Importing transformers for a layer rung's first
+block costs 3.6 s of a CI core. And every pytest-xdist worker, later run, shard, bisect step and mutant
+asks for the same ones.
 
 So they are kept under the nanoqwen cache folder, keyed by everything they depend on: the model's
-fingerprint (its format, config and tensor checksums), the sources that compute or judge them
-(reference/, fixtures/dequantized.py, engine/formats/, ladder/tokens.py, ladder/tolerances.py), the
-versions of numpy, torch and transformers, and per item its prompts' token ids and the number of new
-tokens. A changed input is a new key, never a stale file; the engine and the kernels are not in the key
-(a mutant or a planted fault changes what is checked, not what it is checked against).
+fingerprint (its format, config and tensor checksums) or, for a block, the digest of its weights and
+input; the sources that compute or judge them (reference/, fixtures/dequantized.py, engine/formats/,
+ladder/tokens.py, ladder/tolerances.py); the versions of numpy, torch and transformers; and per item
+its prompts' token ids and the number of new tokens. A changed input is a new key, never a stale file;
+the engine and the kernels are not in the key (a mutant or a planted fault changes what is checked,
+not what it is checked against).
 
 - Bounds (`graph-bounds/KEY.json`): the first worker to need them measures them while holding a lock file
   (its process id and host inside); the others wait for its result, and later runs read it. A lock whose
   process is gone (a killed run) is taken over at once.
-- Reference runs (`graph-references/MODEL_KEY/PROMPT_KEY.npz`, tokens and float32 logits): no lock (one
-  worker holds a model's prompts); two processes that compute the same run write the same values, and
-  the later replace wins. The most recently used models' folders are kept, up to KEPT_BYTES in all.
+- Reference runs (`graph-references/MODEL_KEY/PROMPT_KEY.npz`, tokens and float32 logits) and block
+  outputs (`layer-references/KEY.npz`): no lock (one worker holds a model's prompts); two processes that
+  compute the same item write the same values, and the later replace wins. The most recently used
+  models' folders, and block files, are kept up to KEPT_BYTES each.
 
 Every file is written to a temporary name and renamed into place. `NANOQWEN_FRESH_REFERENCES=1`
-measures and writes both again without reading what is kept (to check the cache itself).
+computes and writes everything again without reading what is kept (to check the cache itself).
 """
 
 from __future__ import annotations
@@ -44,7 +48,8 @@ import numpy as np
 from ladder.tokens import GraphBounds, Reference
 
 STALE_LOCK_SECONDS = 3600.0  # a lock from another host older than this belongs to a worker that died
-KEPT_BYTES = 4 << 30  # reference runs kept, newest model first (a 152k vocab: ~1 GB for 100 prompts)
+KEPT_BYTES = 4 << 30  # kept per kind, newest first (a 152k vocab: ~1 GB of reference runs for 100 prompts)
+BLOCK_KEPT_BELOW = 10_000_000  # a block of more weights runs on the GPU in milliseconds: hashing it costs more
 _HERE = Path(__file__).resolve().parent
 _REPO = _HERE.parent
 SOURCES = (_HERE / "tokens.py", _HERE / "tolerances.py", *sorted((_REPO / "reference").glob("*.py")),
@@ -91,6 +96,12 @@ def references_root() -> Path:
     from engine.resolve import cache_root
 
     return cache_root() / "graph-references"
+
+
+def blocks_root() -> Path:
+    from engine.resolve import cache_root
+
+    return cache_root() / "layer-references"
 
 
 def _abandoned(lock: Path) -> bool:
@@ -198,18 +209,56 @@ class KeptReferences:
 
 
 def _prune(root: Path, budget: int) -> None:
-    """Keep the most recently used folders under `root` while their sizes add up to `budget` (the newest
-    always), remove the others. Another process may be pruning too, or writing into one: whatever is
-    already gone counts as empty."""
+    """Keep the most recently used entries (folders or files) under `root` while their sizes add up to
+    `budget` (the newest always), remove the others. Another process may be pruning too, or writing into
+    one: whatever is already gone counts as empty."""
     def stat(p: Path, what: str) -> float:
         try:
             return getattr(p.stat(), what)
         except FileNotFoundError:
             return 0
 
-    folders = sorted((p for p in root.iterdir() if p.is_dir()), key=lambda p: stat(p, "st_mtime"), reverse=True)
+    entries = sorted((p for p in root.iterdir() if not p.name.startswith(".")), key=lambda p: stat(p, "st_mtime"),
+                     reverse=True)
     total = 0
-    for i, folder in enumerate(folders):
-        total += sum(stat(f, "st_size") for f in folder.glob("*"))
+    for i, entry in enumerate(entries):
+        total += sum(stat(f, "st_size") for f in entry.glob("*")) if entry.is_dir() else stat(entry, "st_size")
         if i and total > budget:
-            shutil.rmtree(folder, ignore_errors=True)
+            if entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+
+
+def kept_block(config: dict, weights: dict, layer: int, x: np.ndarray, compute: Callable[[], tuple]) -> tuple:
+    """The HF decoder layer's (output, k, v) for this block and input: kept, else `compute()` and keep it.
+    A block of BLOCK_KEPT_BELOW weights or more is computed every time (on the GPU, faster than its digest)."""
+    prefix = f"model.layers.{layer}."
+    names = sorted(n for n in weights if n.startswith(prefix))
+    if sum(weights[n].size for n in names) >= BLOCK_KEPT_BELOW:
+        return compute()
+    h = hashlib.sha256(json.dumps([config, layer, names, list(x.shape), str(x.dtype)], sort_keys=True).encode())
+    for n in names:
+        a = np.ascontiguousarray(weights[n])
+        h.update(f"{n}{a.shape}{a.dtype}".encode() + a.tobytes())
+    h.update(np.ascontiguousarray(x).tobytes())
+    root = blocks_root()
+    path = root / f"{_key('block', h.hexdigest())}.npz"
+    if not _fresh():
+        try:
+            with np.load(path) as z:
+                out = (z["out"], z["k"], z["v"])
+            os.utime(path)  # used: pruning goes by it
+            return out
+        except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile):
+            pass
+    out = compute()
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".{path.stem}.{os.getpid()}.tmp.npz"
+    try:
+        np.savez(tmp, out=out[0], k=out[1], v=out[2])
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _prune(root, KEPT_BYTES)
+    return out

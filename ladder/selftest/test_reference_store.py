@@ -1,5 +1,5 @@
 """Self-test: the graph rung's bounds and reference runs are measured once per machine and kept
-(ladder/graph_store.py).
+(ladder/reference_store.py).
 
 Bounds: a second run reads what the first measured; a different key measures again; a lock left by a
 process that is gone (a killed run) is taken over at once instead of being waited on; and two processes
@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from fixtures.prompts import default_prompts_path
-from ladder import graph_store
+from ladder import reference_store
 from ladder.tokens import Reference, bounds_from_floor
 
 BOUNDS = bounds_from_floor(0.01, 4.0, 0.008, ("p1", "p2"), 32, floor_close=5, floor_flips=1, spread=3.0)
@@ -42,9 +42,9 @@ def test_bounds_are_measured_once_and_read_back(store):
         calls.append(1)
         return BOUNDS
 
-    assert graph_store.load_or_derive("k1", derive) == BOUNDS
-    assert graph_store.load_or_derive("k1", derive) == BOUNDS and len(calls) == 1
-    assert graph_store.load_or_derive("k2", derive) == BOUNDS and len(calls) == 2, "another key measures again"
+    assert reference_store.load_or_derive("k1", derive) == BOUNDS
+    assert reference_store.load_or_derive("k1", derive) == BOUNDS and len(calls) == 1
+    assert reference_store.load_or_derive("k2", derive) == BOUNDS and len(calls) == 2, "another key measures again"
     assert sorted(p.name for p in store.iterdir()) == ["k1.json", "k2.json"], "no lock or temporary file is left"
 
 
@@ -53,9 +53,9 @@ def test_a_failed_measurement_leaves_no_lock(store):
         raise ValueError("the floor is undefined")
 
     with pytest.raises(ValueError, match="undefined"):
-        graph_store.load_or_derive("k", broken)
+        reference_store.load_or_derive("k", broken)
     assert list(store.iterdir()) == []
-    assert graph_store.load_or_derive("k", lambda: BOUNDS) == BOUNDS
+    assert reference_store.load_or_derive("k", lambda: BOUNDS) == BOUNDS
 
 
 def test_a_lock_left_by_a_dead_process_is_taken_over(store):
@@ -64,18 +64,18 @@ def test_a_lock_left_by_a_dead_process_is_taken_over(store):
     proc.start()
     proc.join()  # a process id that has just ended
     (store / "k.lock").write_text(f"{proc.pid} {socket.gethostname()}")
-    assert graph_store.load_or_derive("k", lambda: BOUNDS, poll=0.01) == BOUNDS
+    assert reference_store.load_or_derive("k", lambda: BOUNDS, poll=0.01) == BOUNDS
     assert not (store / "k.lock").exists()
 
 
 def test_a_lock_held_by_a_live_process_is_waited_on(store, monkeypatch):
     store.mkdir(parents=True)
     (store / "k.lock").write_text(f"{os.getpid()} {socket.gethostname()}")  # this very process: alive
-    assert not graph_store._abandoned(store / "k.lock")
+    assert not reference_store._abandoned(store / "k.lock")
     (store / "k.lock").write_text(f"{os.getpid()} another-host")  # another host's fresh lock: not stale yet
-    assert not graph_store._abandoned(store / "k.lock")
-    monkeypatch.setattr(graph_store, "STALE_LOCK_SECONDS", -1.0)
-    assert graph_store._abandoned(store / "k.lock"), "another host's lock past the age limit is stale"
+    assert not reference_store._abandoned(store / "k.lock")
+    monkeypatch.setattr(reference_store, "STALE_LOCK_SECONDS", -1.0)
+    assert reference_store._abandoned(store / "k.lock"), "another host's lock past the age limit is stale"
 
 
 def _measure_in_child(cache: str, key: str, out: str) -> None:
@@ -88,7 +88,7 @@ def _measure_in_child(cache: str, key: str, out: str) -> None:
         time.sleep(0.5)  # long enough for the other process to find the lock
         return BOUNDS
 
-    graph_store.load_or_derive(key, derive, poll=0.05)
+    reference_store.load_or_derive(key, derive, poll=0.05)
 
 
 def test_two_processes_asking_at_once_measure_once(tmp_path):
@@ -132,7 +132,7 @@ def other_model_path():
 
 @pytest.fixture
 def kept(store, tiny_model_path):
-    return graph_store.KeptReferences(tiny_model_path)
+    return reference_store.KeptReferences(tiny_model_path)
 
 
 def test_a_kept_run_is_read_back_bit_for_bit_and_not_run_again(kept):
@@ -151,7 +151,7 @@ def test_another_prompt_token_count_or_model_runs_again(kept, other_model_path):
     kept.get([1, 2, 4], 3, _run(1, calls))
     kept.get([1, 2, 3], 4, _run(2, calls))
     assert calls == [0, 1, 2]
-    other = graph_store.KeptReferences(other_model_path)  # the same model in another format
+    other = reference_store.KeptReferences(other_model_path)  # the same model in another format
     assert other.folder != kept.folder
     other.get([1, 2, 3], 3, _run(3, calls))
     assert calls == [0, 1, 2, 3]
@@ -180,7 +180,7 @@ def test_reading_a_kept_run_marks_its_model_used(kept, tiny_model_path):
     kept.get([1, 2], 3, _run(0, []))
     os.utime(kept.folder, (1_000_000, 1_000_000))  # as if last used long ago
     calls = []
-    graph_store.KeptReferences(tiny_model_path).get([1, 2], 3, _run(0, calls))  # a later run reads it
+    reference_store.KeptReferences(tiny_model_path).get([1, 2], 3, _run(0, calls))  # a later run reads it
     assert calls == [] and time.time() - kept.folder.stat().st_mtime < 600, "a model in use would be pruned first"
 
 
@@ -190,26 +190,29 @@ def test_the_least_recently_used_models_go_past_the_size_budget(store, tmp_path)
         (root / name).mkdir(parents=True)
         (root / name / "r.npz").write_bytes(b"x" * 100)
         os.utime(root / name, (time.time() - 100 + i, time.time() - 100 + i))
-    graph_store._prune(root, 250)
+    reference_store._prune(root, 250)
     assert sorted(p.name for p in root.iterdir()) == ["newest", "older"]
-    graph_store._prune(root, 10)
+    reference_store._prune(root, 10)
     assert [p.name for p in root.iterdir()] == ["newest"], "the newest model is kept whatever its size"
 
 
-def test_a_graph_rung_whose_runs_are_kept_imports_neither_torch_nor_transformers(tmp_path, tiny_model_path):
-    """The same graph case twice in fresh processes: the first computes the reference (torch and
-    transformers imported), the second reads its kept run and kept bounds (neither imported). A plugin
-    of the test's own prints which were imported when the session ends."""
+@pytest.mark.parametrize("rung", ["graph", "layer"])
+def test_a_rung_whose_references_are_kept_imports_neither_torch_nor_transformers(tmp_path, tiny_model_path, rung):
+    """The same case twice in fresh processes: the first computes the reference (torch and transformers
+    imported), the second reads what is kept (graph: the run and the bounds; layer: the HF block's
+    outputs) and imports neither. A plugin of the test's own prints which were imported at the end."""
     one = tmp_path / "one-prompt.jsonl"  # one prompt: the first run's bounds measure one floor prompt
     one.write_text(default_prompts_path().read_text().splitlines()[0] + "\n")
     (tmp_path / "heavycheck.py").write_text(
         "import sys\n"
         "def pytest_sessionfinish(session):\n"
         "    print('HEAVY', sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
-    repo = Path(graph_store.__file__).resolve().parents[1]
-    cmd = [sys.executable, "-m", "pytest", str(repo / "ladder" / "graph" / "test_graph.py"), "-p", "ladder.plugin",
-           "-p", "heavycheck", "-c", os.devnull, "--rootdir", str(repo), "-p", "no:cacheprovider", "-q", "-s",
-           "--backend", "numpy", "--model", str(tiny_model_path), "--prompts", str(one), "-k", "greedy"]
+    repo = Path(reference_store.__file__).resolve().parents[1]
+    select = {"graph": [str(repo / "ladder" / "graph" / "test_graph.py"), "--prompts", str(one), "-k", "greedy"],
+              "layer": [str(repo / "ladder" / "layer" / "test_layer.py"), "-k", "hf_decoder_layer and layer0-L29"]}[rung]
+    cmd = [sys.executable, "-m", "pytest", *select, "-p", "ladder.plugin", "-p", "heavycheck", "-c", os.devnull,
+           "--rootdir", str(repo), "-p", "no:cacheprovider", "-q", "-s", "--backend", "numpy",
+           "--model", str(tiny_model_path)]
     env = {**os.environ, "NANOQWEN_CACHE": str(tmp_path / "cache"), "PYTHONPATH": f"{repo}{os.pathsep}{tmp_path}"}
     for name in [k for k in env if k.startswith("PYTEST_")]:
         env.pop(name)
@@ -218,3 +221,34 @@ def test_a_graph_rung_whose_runs_are_kept_imports_neither_torch_nor_transformers
         assert r.returncode == 0 and "1 passed" in r.stdout, (r.stdout + r.stderr)[-3000:]
     assert "HEAVY ['torch', 'transformers']" in runs[0].stdout, runs[0].stdout[-2000:]
     assert "HEAVY []" in runs[1].stdout, runs[1].stdout[-2000:]
+
+
+def test_a_kept_block_is_read_back_and_another_input_or_weight_computes_again(store):
+    rng = np.random.default_rng(0)
+    weights = {"model.layers.0.w": rng.standard_normal((4, 4)).astype(np.float32),
+               "model.layers.1.w": rng.standard_normal((4, 4)).astype(np.float32)}
+    x = rng.standard_normal((3, 4)).astype(np.float32)
+    calls = []
+
+    def compute():
+        calls.append(1)
+        return rng.standard_normal((3, 4)), rng.standard_normal((3, 1, 4)), rng.standard_normal((3, 1, 4))
+
+    first = reference_store.kept_block({"h": 4}, weights, 0, x, compute)
+    again = reference_store.kept_block({"h": 4}, weights, 0, x, compute)
+    assert len(calls) == 1 and all(np.array_equal(a, b) for a, b in zip(first, again))
+    reference_store.kept_block({"h": 4}, weights, 0, x + 1, compute)  # another input
+    weights["model.layers.0.w"][0, 0] += 1  # another weight of this layer
+    reference_store.kept_block({"h": 4}, weights, 0, x, compute)
+    weights["model.layers.1.w"][0, 0] += 1  # another layer's weight: the same block
+    reference_store.kept_block({"h": 4}, weights, 0, x, compute)
+    assert len(calls) == 3
+
+
+def test_a_large_block_is_computed_every_time(store, monkeypatch):
+    monkeypatch.setattr(reference_store, "BLOCK_KEPT_BELOW", 10)
+    calls = []
+    w = {"model.layers.0.w": np.zeros((4, 4), np.float32)}
+    for _ in range(2):
+        reference_store.kept_block({}, w, 0, np.zeros((1, 4), np.float32), lambda: calls.append(1) or (1, 2, 3))
+    assert len(calls) == 2 and not reference_store.blocks_root().exists()
