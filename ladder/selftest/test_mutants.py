@@ -370,3 +370,15 @@ def test_a_rung_without_its_map_is_refused(tmp_path):
         map_from_report(str(tmp_path / "night"), "numpy", ["unit", "layer"])
     maps, seconds = map_from_report(str(tmp_path / "night"), "numpy", ["unit"])
     assert list(maps["unit"].values()) == [["kernels/numpy/__init__.py::rotate"]] and seconds == {"unit": {}}
+
+
+def test_a_mutant_runs_each_files_cheapest_cases_first_and_the_files_in_their_order(monkeypatch):
+    from ladder.tools import mutate
+
+    w = mutate.Worker.__new__(mutate.Worker)
+    w.rungs = ["unit"]
+    w.maps = {"unit": {"b.py::slow": ["u"], "a.py::x": ["u"], "b.py::quick": ["u"], "a.py::y": ["u"], "c.py::z": ["v"]}}
+    w.seconds = {"unit": {"b.py::slow": 9.0, "b.py::quick": 0.1, "a.py::x": 5.0, "a.py::y": 2.0}}
+    monkeypatch.setattr(mutate, "patterns_for", lambda *a: ["u"])
+    assert w.plan(_mutant("kernels/numpy/__init__.py", "rotate", "*", "+")) == [
+        ("unit", ["b.py::quick", "b.py::slow", "a.py::y", "a.py::x"])]
