@@ -382,3 +382,13 @@ def test_a_mutant_runs_each_files_cheapest_cases_first_and_the_files_in_their_or
     monkeypatch.setattr(mutate, "patterns_for", lambda *a: ["u"])
     assert w.plan(_mutant("kernels/numpy/__init__.py", "rotate", "*", "+")) == [
         ("unit", ["b.py::quick", "b.py::slow", "a.py::y", "a.py::x"])]
+
+
+def test_a_rung_run_past_the_hard_stop_is_not_run_and_never_reaches_the_server():
+    from ladder.tools.mutate import Worker
+
+    w = Worker.__new__(Worker)
+    w.dir, w.backend, w.extra, w.timeout, w.seconds = ROOT, "numpy", [], None, {}
+    w.server = None  # asking it would fail: the hard stop answers first
+    w.stop_at = time.perf_counter() - 1.0
+    assert w._ask("unit", ["ladder/unit/test_ops.py::x"]) == "not_run"

@@ -21,7 +21,8 @@ Outcomes:
   cases took in the clean run (with --timeout, the watchdog is off),
 - `did_not_compile` (a Python mutant that no longer parses, a CUDA mutant NVRTC refuses): not scored,
 - `not_launched`: no case of the rungs run launches the mutated function; not run, not scored, listed,
-- `not_run`: left when the --budget of wall time was spent; not scored, counted,
+- `not_run`: left when the --budget of wall time was spent, or cut at its hard stop (max(60 s, budget/2)
+  later); not scored, counted,
 - `equivalent`: on the reviewed list of ladder/tools/equivalent_mutants.json (a signature and the reason
   it cannot change any output); not run, not scored, shown in the report.
 
@@ -192,6 +193,7 @@ class Worker:
         self.log = self.dir / "rung.log"
         self.server = None
         self.hung = None  # the case the watchdog killed in the last rung run, and after how long
+        self.stop_at = None  # perf_counter time of the run's hard stop (--budget), if any
 
     def _start(self):
         self.server = subprocess.Popen([sys.executable, "-m", "ladder.tools.forkserver",
@@ -276,7 +278,13 @@ class Worker:
     def _ask(self, rung: str, ids: list[str]) -> str:
         args = [*ids, *_rung_args(rung, self.dir, self.backend, ["-x", "-p", "no:xdist", *self.extra])]
         self.hung = None
-        self.server.stdin.write(json.dumps({"args": args, "timeout": self.timeout_for(rung, ids), "log": str(self.log),
+        timeout = self.timeout_for(rung, ids)
+        if self.stop_at is not None:  # the run's hard stop (--budget): what is cut there was not run
+            left = self.stop_at - time.perf_counter()
+            if left <= 0:
+                return "not_run"
+            timeout = min(timeout, left)
+        self.server.stdin.write(json.dumps({"args": args, "timeout": timeout, "log": str(self.log),
                                             "cases": self.case_limits(rung, ids)}) + "\n")
         self.server.stdin.flush()
         answer = self.server.stdout.readline()
@@ -285,6 +293,8 @@ class Worker:
             raise MutateError(f"the fork server of worker {self.dir.name} died running {rung}")
         res = json.loads(answer)
         if res.get("timed_out"):
+            if not res.get("hung") and self.stop_at is not None and time.perf_counter() >= self.stop_at - 0.5:
+                return "not_run"  # stopped by the hard stop, not by its own timeout
             self.hung = {"case": res["hung"], "after": res["after"]} if res.get("hung") else None
             return "timed_out"
         if res["exit"] in (0, 5):  # 5: nothing selected (every case deselected by the user's own -k)
@@ -307,7 +317,8 @@ def run(mutants: list[Mutant], backend: str, rungs, jobs: int, timeout: float, e
         launches: tuple[dict, dict] | None = None, budget: float | None = None) -> list[dict]:
     """Each mutant's record (its fields, outcome, the rung that killed it, seconds, cases run). `launches`:
     the (maps, seconds) of a green report (map_from_report) instead of the clean run. `budget`: seconds of
-    wall time after which no further mutant starts; those left get the outcome `not_run` (not scored)."""
+    wall time after which no further mutant starts; those left get the outcome `not_run` (not scored), and
+    so does a mutant still running at the hard stop, max(60 s, budget / 2) later."""
     results: list[dict] = []
     if not mutants:
         return results
@@ -328,6 +339,9 @@ def run(mutants: list[Mutant], backend: str, rungs, jobs: int, timeout: float, e
                    for i in range(max(1, min(jobs, len(mutants))))]
         free = list(workers)
         t0 = time.perf_counter()
+        if budget is not None:  # a mutant still running at the budget gets a grace, then is cut and not run
+            for w in workers:
+                w.stop_at = t0 + budget + max(60.0, budget / 2)
         try:
             with concurrent.futures.ThreadPoolExecutor(len(workers)) as pool:
                 pending = {}
@@ -471,7 +485,8 @@ def register(subparsers) -> None:
     m.add_argument("--launches", metavar="REPORT", help="a green `nanoqwen ladder` report folder of this backend and "
                    "tree whose launch map and case times replace the clean run (the nightly passes its own)")
     m.add_argument("--budget", type=float, metavar="SECONDS", help="start no mutant after this many seconds of "
-                   "mutants; the rest are reported as not run and not scored (a nightly that must end on time)")
+                   "mutants, and cut one still running max(60, SECONDS/2) later; those are reported as not run "
+                   "and not scored (a nightly that must end on time)")
     m.add_argument("--list", action="store_true", help="list the chosen mutants and stop")
     m.add_argument("pytest_args", nargs="*", metavar="-- PYTEST ARGS", help="passed to every rung's pytest")
     m.set_defaults(func=_run)
