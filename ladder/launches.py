@@ -246,24 +246,14 @@ def _stamp(folder: Path) -> tuple:
 def _cuda_modules(folder: str, stamp: tuple) -> dict:
     """module -> (its source as NVRTC gets it, its entry points, its call graph, the names its macros use);
     read once per state of the folder (`stamp`)."""
-    from ladder.sources import cuda_calls, cuda_macro_names
+    from ladder.sources import cuda_calls, cuda_macro_names, cuda_module
 
-    loader = _cuda_loader(Path(folder))
+    loader = cuda_module("loader", Path(folder))
     out = {}
     for module in loader.MODULES:
         text = loader.source(module)
         out[module] = (text, loader.entry_points(module), cuda_calls(text), cuda_macro_names(text))
     return out
-
-
-def _cuda_loader(folder: Path):
-    """kernels/cuda/loader.py of `folder` (a copy of the tree may be read), without importing CuPy."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(f"_nanoqwen_loader_{abs(hash(str(folder)))}", folder / "loader.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 # --- what changed since a revision --------------------------------------------------------------------

@@ -9,13 +9,30 @@ the kernels that run it). One reading, here:
   before the `(` of the parameter list whose `{` opens a top-level block; tokens outside any body
   (signatures, declarations) belong to "<file>".
 - Python (kernels/numpy/*.py): the innermost `def` holding a line, "<module>" outside any.
+
+And `cuda_module(name)`: a Python file of kernels/cuda (the loader, the catalog) read by its path, for
+the readers that must work where the package kernels.cuda, which imports CuPy, cannot be imported.
 """
 
 from __future__ import annotations
 
 import ast
 import bisect
+import importlib.util
 import re
+from pathlib import Path
+
+CUDA_DIR = Path(__file__).resolve().parents[1] / "kernels" / "cuda"
+
+
+def cuda_module(name: str, folder: Path = CUDA_DIR):
+    """kernels/cuda/<name>.py of `folder` (a copy of the tree may be read), loaded by its file path without
+    importing the package kernels.cuda (which imports CuPy, missing on a machine without a GPU)."""
+    spec = importlib.util.spec_from_file_location(f"_nanoqwen_cuda_{name}_{abs(hash(str(folder)))}",
+                                                  Path(folder) / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 _CUDA_TOKEN = re.compile(r"""
     (?P<comment>//[^\n]*|/\*.*?\*/)

@@ -10,7 +10,6 @@ GEMV variant it ships names an entry point of its `.cu` for every op, and every 
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import shutil
 import subprocess
@@ -19,20 +18,14 @@ from pathlib import Path
 
 import pytest
 
+from ladder.sources import cuda_module
+
 ROOT = Path(__file__).resolve().parents[2]
 CUDA_DIR = ROOT / "kernels" / "cuda"
 
 
-def _by_path(name: str):
-    # By file path: importing the package kernels.cuda would import CuPy, which a CPU machine lacks.
-    spec = importlib.util.spec_from_file_location(f"_nanoqwen_cuda_{name}", CUDA_DIR / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-LOADER = _by_path("loader")
-CATALOG = _by_path("catalog")
+LOADER = cuda_module("loader")  # by file path: importing kernels.cuda would import CuPy
+CATALOG = cuda_module("catalog")
 
 
 def test_every_cu_file_is_a_loaded_module():

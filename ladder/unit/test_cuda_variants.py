@@ -23,7 +23,6 @@ The comparisons are test_ops.py's: `check_*` against `reference.ops` with TOL.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -34,23 +33,16 @@ from engine.formats import get_format
 from fixtures.strategies import PAGE_BOUNDARY_LENGTHS, PagedCase, quantizable_weight, rng_for
 from ladder.harness import by_row_blocks
 from ladder.plugin import selected_formats
+from ladder.sources import cuda_module
 from ladder.unit.test_ops import _check_attention, check_gate_up_silu, check_linear_residual, check_qkv_proj
 from reference.formats import REF_DEQUANT
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _launchers() -> dict[str, dict]:
-    """kernels/cuda/catalog.py's launchers (format -> variants, default config), loaded by file path: the
-    package kernels.cuda imports CuPy, and the cases are collected (and skip with a reason) where CuPy
-    is missing."""
-    spec = importlib.util.spec_from_file_location("_nanoqwen_cuda_catalog", ROOT / "kernels" / "cuda" / "catalog.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.launchers()
-
-
-LAUNCHERS = _launchers()
+# kernels/cuda/catalog.py's launchers (format -> variants, default config), read by file path: the package
+# kernels.cuda imports CuPy, and the cases are collected (and skip with a reason) where CuPy is missing
+LAUNCHERS = cuda_module("catalog").launchers()
 LINEAR_OPS = ("qkv_proj", "o_proj_residual", "gate_up_silu", "down_residual")
 GROUPS = (1, 2, 5, 37)  # input features in 128-groups: one, two, a partial batch, several batches
 CHUNKS = (1, 3, 129, 257)  # input features in 16-weight chunks, for formats read 16 weights at a time
