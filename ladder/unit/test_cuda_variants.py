@@ -23,7 +23,6 @@ The comparisons are test_ops.py's: `check_*` against `reference.ops` with TOL.
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -37,7 +36,6 @@ from ladder.sources import cuda_module
 from ladder.unit.test_ops import _check_attention, check_gate_up_silu, check_linear_residual, check_qkv_proj
 from reference.formats import REF_DEQUANT
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 # kernels/cuda/catalog.py's launchers (format -> variants, default config), read by file path: the package
