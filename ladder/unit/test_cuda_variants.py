@@ -36,8 +36,6 @@ from ladder.sources import cuda_module
 from ladder.unit.test_ops import _check_attention, check_gate_up_silu, check_linear_residual, check_qkv_proj
 from reference.formats import REF_DEQUANT
 
-
-
 # kernels/cuda/catalog.py's launchers (format -> variants, default config), read by file path: the package
 # kernels.cuda imports CuPy, and the cases are collected (and skip with a reason) where CuPy is missing
 LAUNCHERS = cuda_module("catalog").launchers()
