@@ -255,13 +255,15 @@ def test_a_hung_mutant_is_timed_out_with_its_case_named():
     assert w.case_limits("unit", ["a"]) is None, "a fixed --timeout is the only limit"
 
 
-def test_the_automatic_timeout_grows_with_what_the_cases_cost_in_the_clean_run():
-    from ladder.tools.mutate import HANG_FACTOR, START_ALLOWANCE, Worker
+def test_the_automatic_timeout_is_the_cases_own_limits_plus_a_start_up_allowance():
+    """Only a hang outside any case reaches it: a mutant that merely slows each case within its limit
+    (a smaller cache budget) runs on to a verdict."""
+    from ladder.tools.mutate import CASE_ALLOWANCE, HANG_FACTOR, START_ALLOWANCE, Worker
 
     w = Worker.__new__(Worker)  # no copy of the tree: only the timeout rule
     w.timeout, w.seconds = None, {"graph": {"a": 2.0, "b": 3.0}}
-    assert w.timeout_for("graph", ["a", "b"]) == START_ALLOWANCE + HANG_FACTOR * 5.0
-    assert w.timeout_for("graph", ["a", "unknown"]) == START_ALLOWANCE + HANG_FACTOR * 3.0  # an unknown case: 1 s
+    assert w.timeout_for("graph", ["a", "b"]) == START_ALLOWANCE + 2 * CASE_ALLOWANCE + HANG_FACTOR * 5.0
+    assert w.timeout_for("graph", ["a", "unknown"]) == START_ALLOWANCE + 2 * CASE_ALLOWANCE + HANG_FACTOR * 3.0  # unknown: 1 s
     w.timeout = 7.0
     assert w.timeout_for("graph", ["a", "b"]) == 7.0
 

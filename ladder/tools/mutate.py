@@ -17,8 +17,8 @@ Outcomes:
 - `killed` (a rung failed, or could not collect: an import that breaks is noticed too),
 - `survived`, `timed_out` (counted as detected, as a hang would be): a case ran past its own limit, 20 s
   plus three times its clean-run time, and the fork server's watchdog killed the child and named the case
-  (`hung` in the record); or the rung ran past --timeout, by default 60 s plus three times what the same
-  cases took in the clean run (with --timeout, the watchdog is off),
+  (`hung` in the record); or the rung ran past --timeout, by default 60 s plus the sum of its cases'
+  limits, which only a hang outside any case reaches (with --timeout, the watchdog is off),
 - `did_not_compile` (a Python mutant that no longer parses, a CUDA mutant NVRTC refuses): not scored,
 - `not_launched`: no case of the rungs run launches the mutated function; not run, not scored, listed,
 - `not_run`: left when the --budget of wall time was spent, or cut at its hard stop (max(60 s, budget/2)
@@ -61,7 +61,7 @@ EQUIVALENT_FILE = Path(__file__).resolve().parent / "equivalent_mutants.json"
 # What a worker's copy needs: the packages, the root conftest and the project file.
 TREE = ("engine", "kernels", "ladder", "reference", "fixtures", "bench", "conftest.py", "pyproject.toml")
 DEFAULT_FILES = {"numpy": ("kernels/numpy/*.py",), "cuda": ("kernels/cuda/*.cu", "kernels/cuda/*.cuh")}
-START_ALLOWANCE, HANG_FACTOR = 60.0, 3.0  # the automatic timeout: 60 s + 3x the clean run's time for the cases
+START_ALLOWANCE, HANG_FACTOR = 60.0, 3.0  # the automatic timeout: 60 s + the cases' own limits (below)
 CASE_ALLOWANCE = 20.0  # the watchdog: a case hangs past 20 s + 3x its clean time (the first one compiles the mutant)
 
 
@@ -261,12 +261,12 @@ class Worker:
             path.write_text(original)
 
     def timeout_for(self, rung: str, ids: list[str]) -> float:
-        """--timeout where given; else a hang is a run past 3x the clean run's time for the same cases plus a
-        start-up allowance (imports, collection, the mutated module's compile)."""
+        """--timeout where given; else a start-up allowance (imports, collection) plus every case's own
+        watchdog limit: only a run that hangs outside any case reaches it, and a mutant that merely slows
+        its cases (a smaller cache budget, say) runs on to its verdict instead of being called a hang."""
         if self.timeout is not None:
             return self.timeout
-        clean = self.seconds.get(rung, {})
-        return START_ALLOWANCE + HANG_FACTOR * sum(clean.get(n, 1.0) for n in ids)
+        return START_ALLOWANCE + sum(self.case_limits(rung, ids).values())
 
     def case_limits(self, rung: str, ids: list[str]) -> dict[str, float] | None:
         """The watchdog's limit per case (ladder/tools/forkserver.py); none under a fixed --timeout."""
