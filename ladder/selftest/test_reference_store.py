@@ -1,12 +1,12 @@
-"""Self-test: the graph rung's bounds and reference runs are measured once per machine and kept
-(ladder/reference_store.py).
+"""Self-test: the references' results are computed once per machine and kept (ladder/reference_store.py).
 
 Bounds: a second run reads what the first measured; a different key measures again; a lock left by a
 process that is gone (a killed run) is taken over at once instead of being waited on; and two processes
 asking at the same time measure once between them. Reference runs: read back equal, bit for bit; a new
 prompt, token count or model runs again; a broken file is run again and replaced; NANOQWEN_FRESH_REFERENCES
-runs everything again; the oldest models' runs go past the size budget; and a graph rung whose runs are
-kept imports neither torch nor transformers.
+runs everything again; the oldest models' runs go past the size budget, and a read counts as a use.
+Block outputs: kept by their weights and input, a large block never. And a graph or layer rung whose
+references are kept imports neither torch nor transformers.
 """
 
 from __future__ import annotations
@@ -196,11 +196,11 @@ def test_the_least_recently_used_models_go_past_the_size_budget(store, tmp_path)
     assert [p.name for p in root.iterdir()] == ["newest"], "the newest model is kept whatever its size"
 
 
-@pytest.mark.parametrize("rung", ["graph", "layer"])
-def test_a_rung_whose_references_are_kept_imports_neither_torch_nor_transformers(tmp_path, tiny_model_path, rung):
-    """The same case twice in fresh processes: the first computes the reference (torch and transformers
-    imported), the second reads what is kept (graph: the run and the bounds; layer: the HF block's
-    outputs) and imports neither. A plugin of the test's own prints which were imported at the end."""
+def test_rungs_whose_references_are_kept_import_neither_torch_nor_transformers(tmp_path, tiny_model_path):
+    """A graph case and a layer case twice in fresh processes: the first with NANOQWEN_FRESH_REFERENCES
+    computes the references (torch and transformers imported), the second reads what the first kept
+    (graph: the run and the bounds; layer: the HF block's outputs) and imports neither. A plugin of the
+    test's own prints which were imported at the end. (The user's cache folder: its models are built.)"""
     one = tmp_path / "one-prompt.jsonl"  # one prompt: the first run's bounds measure one floor prompt
     one.write_text(default_prompts_path().read_text().splitlines()[0] + "\n")
     (tmp_path / "heavycheck.py").write_text(
@@ -208,17 +208,17 @@ def test_a_rung_whose_references_are_kept_imports_neither_torch_nor_transformers
         "def pytest_sessionfinish(session):\n"
         "    print('HEAVY', sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
     repo = Path(reference_store.__file__).resolve().parents[1]
-    select = {"graph": [str(repo / "ladder" / "graph" / "test_graph.py"), "--prompts", str(one), "-k", "greedy"],
-              "layer": [str(repo / "ladder" / "layer" / "test_layer.py"), "-k", "hf_decoder_layer and layer0-L29"]}[rung]
-    cmd = [sys.executable, "-m", "pytest", *select, "-p", "ladder.plugin", "-p", "heavycheck", "-c", os.devnull,
-           "--rootdir", str(repo), "-p", "no:cacheprovider", "-q", "-s", "--backend", "numpy",
-           "--model", str(tiny_model_path)]
-    env = {**os.environ, "NANOQWEN_CACHE": str(tmp_path / "cache"), "PYTHONPATH": f"{repo}{os.pathsep}{tmp_path}"}
-    for name in [k for k in env if k.startswith("PYTEST_")]:
+    cmd = [sys.executable, "-m", "pytest", str(repo / "ladder" / "graph" / "test_graph.py"),
+           str(repo / "ladder" / "layer" / "test_layer.py"), "-k", "greedy or (hf_decoder_layer and layer0-L29)",
+           "--prompts", str(one), "-p", "ladder.plugin", "-p", "heavycheck", "-c", os.devnull, "--rootdir", str(repo),
+           "-p", "no:cacheprovider", "-q", "-s", "--backend", "numpy", "--model", str(tiny_model_path)]
+    env = {**os.environ, "PYTHONPATH": f"{repo}{os.pathsep}{tmp_path}"}
+    for name in [k for k in env if k.startswith("PYTEST_") or k == "NANOQWEN_FRESH_REFERENCES"]:
         env.pop(name)
-    runs = [subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300) for _ in range(2)]
+    runs = [subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                           env={**env, "NANOQWEN_FRESH_REFERENCES": fresh}) for fresh in ("1", "0")]
     for r in runs:
-        assert r.returncode == 0 and "1 passed" in r.stdout, (r.stdout + r.stderr)[-3000:]
+        assert r.returncode == 0 and "2 passed" in r.stdout, (r.stdout + r.stderr)[-3000:]
     assert "HEAVY ['torch', 'transformers']" in runs[0].stdout, runs[0].stdout[-2000:]
     assert "HEAVY []" in runs[1].stdout, runs[1].stdout[-2000:]
 
