@@ -29,6 +29,7 @@ from kernels import get_backend
 from ladder import report as ladder_report
 from ladder.faults import FAULTS, plant
 from ladder.nested import run_pytest, skip_inside_nested_run
+from ladder.reference_store import KeptReferences, bounds_key, load_or_derive
 from ladder.tokens import (GraphBounds, compare_greedy, derive_bounds, engine_logits, judge_flips, spread_by_length,
                            reference_greedy, summarize)
 from ladder.tolerances import FLOOR_PROMPTS, NEAR_TIE_EPS_PER_LOGIT_DIFF, TOL
@@ -63,15 +64,23 @@ class Case:
         rng = np.random.default_rng(7)
         vocab = self.config["vocab_size"]
         self.prompts = [Prompt(f"p{n}", tuple(int(t) for t in rng.integers(0, vocab - 1, n))) for n in lengths]
+        hf = []
+
+        def run(p):  # the HF simulation, built only when a run is not kept (ladder/reference_store.py)
+            if not hf:
+                hf.append(hf_model(self.config, self.weights))
+            return reference_greedy(hf[0], p.ids, new_tokens)
+
         before = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            hf = hf_model(self.config, self.weights)
-            self.refs = {p.id: reference_greedy(hf, p.ids, new_tokens) for p in self.prompts}
+            kept = KeptReferences(self.path)
+            self.refs = {p.id: kept.get(p.ids, new_tokens, lambda p=p: run(p)) for p in self.prompts}
         finally:
             torch.set_num_threads(before)
-        self.bounds = derive_bounds(self.config, self.weights,
-                                    [(p.id, p.ids, self.refs[p.id]) for p in spread_by_length(self.prompts)])
+        floor = spread_by_length(self.prompts)
+        self.bounds = load_or_derive(bounds_key(self.path, floor, new_tokens), lambda: derive_bounds(
+            self.config, self.weights, [(p.id, p.ids, self.refs[p.id]) for p in floor]))
         self.logits = self.engine_logits(get_backend("numpy"))
 
     def engine_logits(self, backend, only=None) -> dict[str, np.ndarray]:
