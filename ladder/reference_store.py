@@ -166,14 +166,10 @@ class KeptReferences:
     def get(self, ids, n_new: int, run: Callable[[], Reference]) -> Reference:
         path = self.folder / (hashlib.sha256(json.dumps([list(map(int, ids)), int(n_new)]).encode()).hexdigest()[:24]
                               + ".npz")
-        if not _fresh():
-            try:
-                with np.load(path) as z:
-                    ref = Reference(int(z["prompt_len"]), z["tokens"], z["logits"])
-                self._mark_used()
-                return ref
-            except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile):
-                pass  # not kept yet, or a broken file: run it, and replace the file
+        kept = _read(path, "prompt_len", "tokens", "logits")
+        if kept is not None:
+            self._mark_used()
+            return Reference(int(kept[0]), kept[1], kept[2])
         ref = run()
         self._keep(path, ref)
         return ref
@@ -189,23 +185,41 @@ class KeptReferences:
 
     def _keep(self, path: Path, ref: Reference) -> None:
         new = not self.folder.exists()
-        tmp = self.folder / f".{path.stem}.{os.getpid()}.tmp.npz"
         for attempt in (1, 2):  # a second time if another process pruned the folder away in between
             self.folder.mkdir(parents=True, exist_ok=True)
             try:
-                np.savez(tmp, prompt_len=np.int64(ref.prompt_len), tokens=np.asarray(ref.tokens, dtype=np.int64),
-                         logits=np.asarray(ref.logits, dtype=np.float32))
-                os.replace(tmp, path)
+                _write(path, prompt_len=np.int64(ref.prompt_len), tokens=np.asarray(ref.tokens, dtype=np.int64),
+                       logits=np.asarray(ref.logits, dtype=np.float32))
                 break
             except FileNotFoundError:
                 if attempt == 2:
                     raise
-            finally:
-                tmp.unlink(missing_ok=True)
         self._used = False
         self._mark_used()
         if new:
             _prune(self.folder.parent, KEPT_BYTES)
+
+
+def _read(path: Path, *names: str) -> tuple | None:
+    """The arrays `names` of a kept file; None when it is not kept yet, is broken (computed again and
+    replaced), or NANOQWEN_FRESH_REFERENCES asks for everything again."""
+    if _fresh():
+        return None
+    try:
+        with np.load(path) as z:
+            return tuple(z[n] for n in names)
+    except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile):
+        return None
+
+
+def _write(path: Path, **arrays) -> None:
+    """`arrays` into `path` through a temporary file renamed into place (a reader never sees half a file)."""
+    tmp = path.parent / f".{path.stem}.{os.getpid()}.tmp.npz"
+    try:
+        np.savez(tmp, **arrays)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _prune(root: Path, budget: int) -> None:
@@ -244,21 +258,12 @@ def kept_block(config: dict, weights: dict, layer: int, x: np.ndarray, compute: 
     h.update(np.ascontiguousarray(x).tobytes())
     root = blocks_root()
     path = root / f"{_key('block', h.hexdigest())}.npz"
-    if not _fresh():
-        try:
-            with np.load(path) as z:
-                out = (z["out"], z["k"], z["v"])
-            os.utime(path)  # used: pruning goes by it
-            return out
-        except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile):
-            pass
+    kept = _read(path, "out", "k", "v")
+    if kept is not None:
+        os.utime(path)  # used: pruning goes by it
+        return kept
     out = compute()
     root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".{path.stem}.{os.getpid()}.tmp.npz"
-    try:
-        np.savez(tmp, out=out[0], k=out[1], v=out[2])
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    _write(path, out=out[0], k=out[1], v=out[2])
     _prune(root, KEPT_BYTES)
     return out
