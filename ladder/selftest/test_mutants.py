@@ -393,4 +393,4 @@ def test_a_rung_run_past_the_hard_stop_is_not_run_and_never_reaches_the_server()
     w.dir, w.backend, w.extra, w.timeout, w.seconds = ROOT, "numpy", [], None, {}
     w.server = None  # asking it would fail: the hard stop answers first
     w.stop_at = time.perf_counter() - 1.0
-    assert w._ask("unit", ["ladder/unit/test_ops.py::x"]) == "not_run"
+    assert w._ask("unit", ["ladder/unit/test_ops.py::x"]) == ("not_run", None)

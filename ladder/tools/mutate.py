@@ -192,7 +192,6 @@ class Worker:
                     "HYPOTHESIS_STORAGE_DIRECTORY": str(self.dir / ".hypothesis")}
         self.log = self.dir / "rung.log"
         self.server = None
-        self.hung = None  # the case the watchdog killed in the last rung run, and after how long
         self.stop_at = None  # perf_counter time of the run's hard stop (--budget), if any
 
     def _start(self):
@@ -206,7 +205,7 @@ class Worker:
         # The canary: a case of the unmutated tree must pass in a forked child, or every mutant would be
         # "killed" by the fork itself (a CUDA context made before the fork, a library that cannot fork).
         canary = next(((rung, list(self.maps[rung])[:1]) for rung in self.rungs if self.maps.get(rung)), None)
-        if canary and self._ask(*canary) != "passed":
+        if canary and self._ask(*canary)[0] != "passed":
             tail = self.log.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
             raise MutateError(f"worker {self.dir.name}: {canary[1][0]} fails in a forked child of the unmutated tree "
                               f"({tail[0]})")
@@ -252,10 +251,10 @@ class Worker:
             for rung, ids in plan:
                 if not ids:
                     continue
-                outcome = self._ask(rung, ids)
+                outcome, hung = self._ask(rung, ids)
                 if outcome != "passed":
                     rec = {"outcome": outcome, "rung": rung, "seconds": round(time.perf_counter() - t0, 2), "cases": cases}
-                    return {**rec, "hung": self.hung} if outcome == "timed_out" and self.hung else rec
+                    return {**rec, "hung": hung} if hung else rec
             return {"outcome": "survived", "rung": None, "seconds": round(time.perf_counter() - t0, 2), "cases": cases}
         finally:
             path.write_text(original)
@@ -275,14 +274,14 @@ class Worker:
         clean = self.seconds.get(rung, {})
         return {n: CASE_ALLOWANCE + HANG_FACTOR * clean.get(n, 1.0) for n in ids}
 
-    def _ask(self, rung: str, ids: list[str]) -> str:
+    def _ask(self, rung: str, ids: list[str]) -> tuple[str, dict | None]:
+        """(outcome of the rung run, the case the watchdog killed and after how long, if it did)."""
         args = [*ids, *_rung_args(rung, self.dir, self.backend, ["-x", "-p", "no:xdist", *self.extra])]
-        self.hung = None
         timeout = self.timeout_for(rung, ids)
         if self.stop_at is not None:  # the run's hard stop (--budget): what is cut there was not run
             left = self.stop_at - time.perf_counter()
             if left <= 0:
-                return "not_run"
+                return "not_run", None
             timeout = min(timeout, left)
         self.server.stdin.write(json.dumps({"args": args, "timeout": timeout, "log": str(self.log),
                                             "cases": self.case_limits(rung, ids)}) + "\n")
@@ -294,15 +293,14 @@ class Worker:
         res = json.loads(answer)
         if res.get("timed_out"):
             if not res.get("hung") and self.stop_at is not None and time.perf_counter() >= self.stop_at - 0.5:
-                return "not_run"  # stopped by the hard stop, not by its own timeout
-            self.hung = {"case": res["hung"], "after": res["after"]} if res.get("hung") else None
-            return "timed_out"
+                return "not_run", None  # stopped by the hard stop, not by its own timeout
+            return "timed_out", ({"case": res["hung"], "after": res["after"]} if res.get("hung") else None)
         if res["exit"] in (0, 5):  # 5: nothing selected (every case deselected by the user's own -k)
-            return "passed"
+            return "passed", None
         out = self.log.read_text(errors="replace")
         if "CompileException" in out or "NVRTC_ERROR" in out:
-            return "did_not_compile"
-        return "killed"
+            return "did_not_compile", None
+        return "killed", None
 
 
 # --- the run -----------------------------------------------------------------------------------------
@@ -322,6 +320,7 @@ def run(mutants: list[Mutant], backend: str, rungs, jobs: int, timeout: float, e
     results: list[dict] = []
     if not mutants:
         return results
+    from kernels import backend_needs_device
     from ladder.nested import child_env
 
     with tempfile.TemporaryDirectory(prefix="nanoqwen-mutate-") as tmp:
@@ -329,7 +328,7 @@ def run(mutants: list[Mutant], backend: str, rungs, jobs: int, timeout: float, e
         # and a worker's child then compiles only the module its mutant changed.
         env = child_env(backend, pythonpath=str(ROOT), CUPY_CACHE_DIR=str(Path(tmp) / "cupy-cache"),
                         HYPOTHESIS_STORAGE_DIRECTORY=str(Path(tmp) / "hypothesis-clean"))
-        if launches and _user_kernel_cache().is_dir():
+        if launches and backend_needs_device(backend) and _user_kernel_cache().is_dir():
             # No clean run compiles the modules into the run's cache: start it from the user's, which the
             # ladder run that made the report filled (else every worker's canary compiles every module).
             shutil.copytree(_user_kernel_cache(), Path(tmp) / "cupy-cache")
@@ -476,7 +475,8 @@ def register(subparsers) -> None:
     m.add_argument("-j", "--jobs", type=_positive, default=max(1, (os.cpu_count() or 2) // 2), metavar="N",
                    help="parallel workers, each with its own copy of the tree (default: half the cores)")
     m.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
-                   help="per rung and mutant (default: 60 s plus 3x the clean run's time for the cases the mutant runs)")
+                   help="per rung and mutant, and no watchdog (default: each case hangs past 20 s plus 3x its clean-run "
+                        "time, and a rung run past 60 s plus the sum of those)")
     m.add_argument("--report", metavar="DIR", help="report folder (default reports/mutate-TIMESTAMP)")
     m.add_argument("--baseline", metavar="DIR", help="an earlier report folder to compare with; exit 1 when a mutant "
                    "it detected is lost here, or the score over the mutants both scored is lower")
