@@ -56,6 +56,14 @@ SOURCES = (_HERE / "tokens.py", _HERE / "tolerances.py", *sorted((_REPO / "refer
            _REPO / "fixtures" / "dequantized.py", *sorted((_REPO / "engine" / "formats").glob("*.py")))
 
 
+def missing_library() -> str | None:
+    """The first of torch and transformers (the references' libraries) that is not installed, found without
+    importing either: a rung whose results are kept never imports them. None when both are there."""
+    import importlib.util
+
+    return next((d for d in ("torch", "transformers") if importlib.util.find_spec(d) is None), None)
+
+
 def _fresh() -> bool:
     return os.environ.get("NANOQWEN_FRESH_REFERENCES", "") not in ("", "0")
 

@@ -34,6 +34,7 @@ def cuda_module(name: str, folder: Path = CUDA_DIR):
     spec.loader.exec_module(mod)
     return mod
 
+
 _CUDA_TOKEN = re.compile(r"""
     (?P<comment>//[^\n]*|/\*.*?\*/)
   | (?P<pre>^[ \t]*\#[^\n]*(?:\\\n[^\n]*)*)

@@ -27,18 +27,18 @@ to the ladder JSON.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import numpy as np
 import pytest
 
+from ladder.reference_store import missing_library
+
 # The reference needs torch and transformers, but a run whose reference runs and bounds are kept on this
 # machine (ladder/reference_store.py) never imports them: only their presence is checked here.
-for _dist in ("torch", "transformers"):
-    if importlib.util.find_spec(_dist) is None:
-        pytest.skip(f"the graph rung's reference (the HF simulation) needs {_dist}: pip install -e '.[test]'",
-                    allow_module_level=True)
+if missing_library():
+    pytest.skip(f"the graph rung's reference (the HF simulation) needs {missing_library()}: "
+                "pip install -e '.[test]'", allow_module_level=True)
 
 import engine
 from engine.modelfile import ModelFile

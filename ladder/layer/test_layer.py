@@ -11,7 +11,6 @@ precision contract's fp16 storage points) against the same reference: TOL[("laye
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -28,7 +27,7 @@ from fixtures.tiny_model import random_weights
 from ladder.blockrun import run_engine_block
 from ladder.compare import assert_close
 from ladder.opcheck import first_op_over_its_bound, op_checks, recording
-from ladder.reference_store import kept_block
+from ladder.reference_store import kept_block, missing_library
 from reference.model import ref_block
 
 F16, F32 = np.float16, np.float32
@@ -133,9 +132,8 @@ def hf_block():
     """transformers' Qwen2DecoderLayer on a block's weights and input: (output, k, v). Kept per machine
     (ladder/reference_store.py kept_block), so a run whose blocks are kept imports neither torch nor
     transformers; only their presence is checked here."""
-    for dist in ("torch", "transformers"):
-        if importlib.util.find_spec(dist) is None:
-            pytest.skip(f"the HF reference needs {dist} (pip install -e '.[test]')")
+    if missing_library():
+        pytest.skip(f"the HF reference needs {missing_library()} (pip install -e '.[test]')")
 
     def outputs(config, weights, layer, x):
         def compute():
