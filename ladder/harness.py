@@ -30,9 +30,10 @@ def host(backend, a) -> np.ndarray:
     return np.array(backend.to_numpy(a), copy=True)
 
 
-def quantized(backend, fmt, w: np.ndarray):
-    """(QuantizedWeight on the backend, stored tensors on the host) for a float32 weight."""
-    tensors = fmt.quantize(w)
+def quantized(backend, fmt, w: np.ndarray, by_rows: bool = False):
+    """(QuantizedWeight on the backend, stored tensors on the host) for a float32 weight; `by_rows`: its row
+    blocks quantized side by side (by_row_blocks), the same tensors in a fraction of the time at 7B shapes."""
+    tensors = fmt.fuse(by_row_blocks(lambda part: fmt.quantize(part["w"]), {"w": w})) if by_rows else fmt.quantize(w)
     return backend.prepare_linear(fmt.name, tensors, w.shape[0], w.shape[1]), tensors
 
 

@@ -30,11 +30,9 @@ import pytest
 import engine
 from engine.formats import get_format
 from fixtures.strategies import PAGE_BOUNDARY_LENGTHS, PagedCase, quantizable_weight, rng_for
-from ladder.harness import by_row_blocks
 from ladder.plugin import selected_formats
 from ladder.sources import cuda_module
-from ladder.unit.test_ops import _check_attention, check_gate_up_silu, check_linear_residual, check_qkv_proj
-from reference.formats import REF_DEQUANT
+from ladder.unit.test_ops import _check_attention, _quantized, check_gate_up_silu, check_linear_residual, check_qkv_proj
 
 # kernels/cuda/catalog.py's launchers (format -> variants, default config), read by file path: the package
 # kernels.cuda imports CuPy, and the cases are collected (and skip with a reason) where CuPy is missing
@@ -128,11 +126,7 @@ def _full_size_weights(backend, fmt, op, in_f, rows):
         w = quantizable_weight(rng, 2 * rows if op == "gate_up_silu" else rows, in_f, scale=0.1 if op == "gate_up_silu" else 0.05)
         # quantized and read by row blocks side by side: the same tensors and values as one call, in a
         # fraction of the time (fp8's gate_up: 135 M weights)
-        tensors = fmt.fuse(by_row_blocks(lambda part: fmt.quantize(part["w"]), {"w": w}))
-        if fmt.name not in REF_DEQUANT:
-            pytest.fail(f"format {fmt.name!r} has no reference reading in reference/formats.py REF_DEQUANT")
-        reading = np.concatenate(by_row_blocks(REF_DEQUANT[fmt.name], tensors))
-        _FULL_SIZE[key] = backend.prepare_linear(fmt.name, tensors, w.shape[0], w.shape[1]), reading
+        _FULL_SIZE[key] = _quantized(backend, fmt, w, by_rows=True)
     return _FULL_SIZE[key]
 
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from fixtures.strategies import (PAGE_BOUNDARY_LENGTHS, PagedCase, fp16, linear_shapes, make_page_table,
                                  paged_cases, quantizable_weight, rng_for, seeds)
 from ladder.compare import assert_close, assert_equal
-from ladder.harness import dev, host, quantized, sentinel
+from ladder.harness import by_row_blocks, dev, host, quantized, sentinel
 from reference import ops as ref_ops
 from reference.formats import REF_DEQUANT
 
@@ -27,12 +27,14 @@ def _round(a, dtype):
     return np.asarray(a).astype(dtype)
 
 
-def _quantized(backend, fmt, w):
-    """(the backend's weight, the float64 reference weight) for a float32 weight in format `fmt`."""
+def _quantized(backend, fmt, w, by_rows: bool = False):
+    """(the backend's weight, the float64 reference weight) for a float32 weight in format `fmt`; `by_rows`:
+    both made by row blocks side by side (ladder/harness.py by_row_blocks; for the 7B-shape weights)."""
     if fmt.name not in REF_DEQUANT:
         pytest.fail(f"format {fmt.name!r} has no reference reading in reference/formats.py REF_DEQUANT")
-    qw, tensors = quantized(backend, fmt, w)
-    return qw, REF_DEQUANT[fmt.name](tensors)
+    qw, tensors = quantized(backend, fmt, w, by_rows)
+    reading = REF_DEQUANT[fmt.name]
+    return qw, np.concatenate(by_row_blocks(reading, tensors)) if by_rows else reading(tensors)
 
 
 # --- embed ---------------------------------------------------------------------------------------
