@@ -2,10 +2,12 @@
 
 qweight uint32 [out, in/8] (ValueShuffle nibbles), scales fp16 [out, in/128] (docs/FORMAT.md), read as
 stored. Decode: the GEMV entry points int4_gemv_<epilogue>_<variant>, CUDA-core "t<threads>_r<R>" or
-tensor-core "tc_w<warps>_u<groups>" (int4_sym_g128.cu explains both). Prefill: int4_mma_pipe_f32
-(or the previous int4_mma_f32, `backend.prefill_variant`), tensor-core kernels that multiply fp16 x by
-the unscaled nibbles (exact in fp16) one 128-group at a time with fp32 accumulation and scale each
-group's partial (no weight is rounded).
+tensor-core "tc_w<warps>_u<groups>" (int4_sym_g128.cu explains both). Prefill: tensor-core kernels that
+multiply fp16 x by the unscaled nibbles (exact in fp16) one 128-group at a time with fp32 accumulation
+and scale each group's partial (no weight is rounded): int4_mma_pipe_f32 ("pipe"), its 64-token tiles
+("pipe64") or the register-staged int4_mma_f32 ("mma"); `backend.prefill_variant` picks, and the
+default "auto" takes "mma" below PIPE_FROM_TOKENS tokens and "pipe" from there (bench/prefill_gemm.py
+measured the crossing on an H200, bench/NOTES.md v4).
 """
 
 from __future__ import annotations
@@ -23,8 +25,11 @@ PIPE_BN = 128  # must match int4_sym_g128.cu (int4_mma_pipe<MI>)
 # backend.prefill_variant["int4_sym_g128"] picks (the bench times each)
 PREFILL_KERNELS = {"pipe": ("int4_mma_pipe_f32", 128, PIPE_BN), "pipe64": ("int4_mma_pipe64_f32", 64, PIPE_BN),
                    "mma": ("int4_mma_f32", MMA_BM, MMA_BN)}
-PREFILL_VARIANTS = ("pipe", "pipe64", "mma")
-DEFAULT_PREFILL = "pipe"
+PREFILL_VARIANTS = ("auto", "pipe", "pipe64", "mma")
+DEFAULT_PREFILL = "auto"
+# "auto": measured per layer of the 7B shape on an H200 (bench/prefill_gemm.py, v4), the register-staged
+# kernel is 11-28% faster than the cp.async ring from 16 to 256 tokens, the ring 3% faster at 512 and 2048
+PIPE_FROM_TOKENS = 512
 GEMV_KERNEL = "int4_gemv"
 VARIANTS = ("t64_r4", "t128_r4", "t128_r8", "t256_r8", "tc_w4_u4", "tc_w8_u4", "tc_w8_u2", "f64_r4", "f128_r4",
             "f128_r8", "f256_r8")
@@ -48,6 +53,8 @@ class Int4SymG128Linear(GemvLinear):
         variant = getattr(backend, "prefill_variant", {}).get(self.name, DEFAULT_PREFILL)
         if variant not in PREFILL_VARIANTS:
             raise ValueError(f"prefill_variant[{self.name!r}] = {variant!r} is not one of {PREFILL_VARIANTS}")
+        if variant == "auto":
+            variant = "pipe" if T >= PIPE_FROM_TOKENS else "mma"
         kernel, bm, bn = PREFILL_KERNELS[variant]
         loader.kernels()[kernel]((-(-N // bn), -(-T // bm)), (256,), (x, w["qweight"], w["scales"], y, i32(T), i32(N), i32(K)))
         return y
