@@ -134,6 +134,22 @@ class CudaBackend(Backend):
     def device_name(self) -> str:
         return _device_name(cp.cuda.Device().id)
 
+    @property
+    def pdl(self) -> bool:
+        """Programmatic dependent launch, in captured CUDA graphs, of the kernels that wait for their
+        predecessor (common.cuh, loader.py): on by default. One switch for the process, since the compiled kernels are shared;
+        `nanoqwen bench --before-set pdl=off` times a step without it."""
+        return loader.PDL["on"]
+
+    @pdl.setter
+    def pdl(self, value) -> None:
+        if isinstance(value, str):
+            word = value.strip().lower()
+            if word not in ("on", "off", "true", "false", "1", "0"):
+                raise ValueError(f"pdl {value!r} is not one of on, off")
+            value = word in ("on", "true", "1")
+        loader.PDL["on"] = bool(value)
+
     def __init__(self, device: int | None = None, pages_per_split: int | None = None):
         try:
             n = cp.cuda.runtime.getDeviceCount()

@@ -27,6 +27,36 @@ __device__ __forceinline__ int imax(int a, int b) { return a > b ? a : b; }
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 __device__ __forceinline__ float quiet_nan() { return __int_as_float(0x7fc00000); }
 
+// ---- programmatic dependent launch (sm_90) -----------------------------------------------------------
+//
+// A decode step is a chain of a few hundred short kernels, each reading what the one before wrote; one
+// that starts only when its predecessor has ended spends microseconds on launch and ramp-up. Launched
+// with the programmatic-serialization attribute (loader.py: into a captured CUDA graph, while the
+// backend's `pdl` is on), a kernel may start while its predecessor still runs, so that:
+//   * pdl_wait() must come before the kernel reads anything an earlier kernel wrote (activations,
+//     positions, lengths, the KV pages) and before it writes anything: it returns once the predecessor
+//     has completed and its writes are visible (and at once for a kernel launched without the
+//     attribute). Every block calls it, early returns included: so when a kernel has completed, so has
+//     every kernel before it;
+//   * before that wait a kernel touches only memory no kernel of the step writes: the GEMVs ask for
+//     their weight rows in L2 there (prefetch_l2), so their first loads overlap the predecessor's tail;
+//   * pdl_launch_dependents() lets the next kernel's blocks be scheduled as soon as every block of this
+//     one has started (not ended); it orders no memory, the next kernel's own pdl_wait() does.
+// The loader launches an entry point with the attribute only when its source calls pdl_wait() (itself
+// or through a function it calls): a kernel that does not wait is never overlapped.
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+// Both, in order: what a kernel that has nothing to prefetch does first.
+__device__ __forceinline__ void pdl_enter() {
+    pdl_wait();
+    pdl_launch_dependents();
+}
+// Ask for `bytes` bytes at `p` in L2 (16-byte aligned, a multiple of 16): one instruction, no register
+// written, nothing waited for.
+__device__ __forceinline__ void prefetch_l2(const void* p, u32 bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
+
 // ---- fp16 <-> fp32 (round to nearest even on the way down, as NumPy's astype(float16)) ----------
 
 __device__ __forceinline__ float h2f(f16_bits h) {

@@ -7,6 +7,7 @@
 // bounds: the engine checks ids on the host, so this only fires on a bug, and it fails loudly.
 extern "C" __global__ void embed_f16_f32(const int* __restrict__ ids, const f16_bits* __restrict__ table,
                                          float* __restrict__ out, int V, int H) {
+    pdl_enter();  // common.cuh: ids may be the previous step's token
     const int t = blockIdx.x;
     const int id = ids[t];
     const bool ok = id >= 0 && id < V;
@@ -21,6 +22,7 @@ extern "C" __global__ void embed_f16_f32(const int* __restrict__ ids, const f16_
 // A lane takes 16-byte chunks (8 fp16) of the row; the warp reads 512 consecutive bytes per step.
 extern "C" __global__ void lm_head_f16_f32(const f16_bits* __restrict__ x, const f16_bits* __restrict__ w,
                                            float* __restrict__ out, int V, int H) {
+    pdl_enter();  // common.cuh: before the early return below, so every block waits
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, t = blockIdx.y;
     const int row0 = (blockIdx.x * LM_WARPS + warp) * LM_ROWS;
     if (row0 >= V) return;  // whole warp: shuffles stay full-mask
@@ -95,6 +97,7 @@ __device__ __forceinline__ void block_argmax(float& bv, int& bi) {
 // those pairs (one block). The total order of argmax_better makes the result independent of the split.
 extern "C" __global__ void argmax_partial_f32(const float* __restrict__ logits, float* __restrict__ part_v,
                                               int* __restrict__ part_i, int V) {
+    pdl_enter();  // common.cuh
     float bv = neg_inf();
     int bi = 0x7fffffff;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < V; i += gridDim.x * blockDim.x) {
@@ -108,6 +111,7 @@ extern "C" __global__ void argmax_partial_f32(const float* __restrict__ logits, 
 // One block over n (value, index) candidates (part_i == nullptr: the candidates are logits[0 .. n)).
 extern "C" __global__ void argmax_f32_i32(const float* __restrict__ part_v, const int* __restrict__ part_i,
                                           int* __restrict__ out, int n) {
+    pdl_enter();  // common.cuh
     float bv = neg_inf();
     int bi = 0x7fffffff;
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
@@ -124,6 +128,7 @@ extern "C" __global__ void argmax_f32_i32(const float* __restrict__ part_v, cons
 // to read a token before it launches the next step.
 extern "C" __global__ void decode_advance_i32(const int* __restrict__ next, int* __restrict__ ids,
                                               int* __restrict__ positions) {
+    pdl_enter();  // common.cuh
     if (threadIdx.x == 0 && blockIdx.x == 0) {
         ids[0] = next[0];
         positions[0] += 1;

@@ -10,10 +10,19 @@ capture would fail). Entry-point names are global across modules: a name defined
 Each kernel is handed out behind a thin `Entry` that reports its launch to kernels/base.py's observer
 when one is set (the ladder's launch map: which case ran which kernel) and otherwise only calls it. A
 captured CUDA graph replays without Python, so the wrapper costs nothing on the decode path.
+
+Programmatic dependent launch (common.cuh says what a kernel must do for it): while `PDL["on"]` (the
+backend's `pdl` setting) and the current stream is being captured into a CUDA graph (the decode step),
+an entry point whose source waits for its predecessor (`pdl_wait()`, in its own body or in a function
+it calls: `waits`) is launched through the driver's cuLaunchKernelEx with the programmatic-stream-
+serialization attribute, which the capture records as a programmatic edge: in a replay the kernel may
+start while the one before it ends. Any other launch goes through CuPy as usual (eagerly, the host's
+launch cost hides the overlap anyway, and CuPy's launch path is the faster one).
 """
 
 from __future__ import annotations
 
+import ctypes
 import re
 from pathlib import Path
 
@@ -29,19 +38,31 @@ _ENTRY = re.compile(r'extern "C" __global__ void(?:\s+__launch_bounds__\([^)]*\)
 _CACHE: dict = {}  # kernel name -> Entry
 
 
+PDL = {"on": True}  # launch the entry points that wait with programmatic dependent launch (CudaBackend.pdl)
+
+
 class Entry:
-    """A compiled kernel (cupy.RawKernel) that reports its launches to the observer, if any."""
+    """A compiled kernel (cupy.RawKernel) that reports its launches to the observer, if any. `waits`: its
+    source calls pdl_wait() before touching what earlier kernels wrote, so it may be launched early."""
 
-    __slots__ = ("name", "unit", "kernel")
+    __slots__ = ("name", "unit", "kernel", "waits")
 
-    def __init__(self, name: str, kernel):
-        self.name, self.unit, self.kernel = name, f"kernels/cuda::{name}", kernel
+    def __init__(self, name: str, kernel, waits: bool = False):
+        self.name, self.unit, self.kernel, self.waits = name, f"kernels/cuda::{name}", kernel, waits
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, grid, block, args, *, shared_mem: int = 0):
         sink = base.launch_observer()
         if sink is not None:
             sink.add(self.unit)
-        return self.kernel(*args, **kwargs)
+        if self.waits and PDL["on"] and _capturing():
+            return _launch_programmatic(self.kernel, grid, block, args, shared_mem)
+        return self.kernel(grid, block, args, shared_mem=shared_mem)
+
+
+def _capturing() -> bool:
+    import cupy
+
+    return cupy.cuda.get_current_stream().is_capturing()
 
     def __getattr__(self, attr):  # attributes, max_threads_per_block, ...: the RawKernel's own
         return getattr(self.kernel, attr)
@@ -94,7 +115,120 @@ def kernels() -> dict:
         found = {}
         for module in MODULES:
             mod = cupy.RawModule(code=source(module), options=OPTIONS)
+            waiting = waiting_entry_points(module)
             for name in entry_points(module):
-                found[name] = Entry(name, mod.get_function(name))  # compiles the module (once) and loads it
+                # compiles the module (once) and loads it
+                found[name] = Entry(name, mod.get_function(name), waits=name in waiting)
         _CACHE.update(found)
     return _CACHE
+
+
+# ---- which entry points wait for their predecessor ----------------------------------------------------
+
+_DEVICE_FN = re.compile(r"__device__[^;{}]*?\b(\w+)\s*\([^;{}]*\)\s*(?:const\s*)?\{")
+_CALL = re.compile(r"\b(\w+)\s*(?:<[^;(){}]*>)?\s*\(")
+
+
+def _body(text: str, open_brace: int) -> str:
+    """The text between the brace at `open_brace` and its match."""
+    depth = 0
+    for i in range(open_brace, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[open_brace + 1:i]
+    raise RuntimeError("kernels/cuda: unbalanced braces")
+
+
+def waiting_entry_points(module: str) -> set[str]:
+    """The entry points of `module` whose body calls pdl_wait(), directly or through the device functions
+    it calls (transitively), as the loader gives the module to NVRTC (headers inlined)."""
+    return waiting_in(source(module))
+
+
+def waiting_in(cuda_source: str) -> set[str]:
+    """`waiting_entry_points` of a CUDA source text."""
+    text = re.sub(r"//[^\n]*", "", cuda_source)  # comments name functions too
+    bodies = {m.group(1): _body(text, m.end() - 1) for m in _DEVICE_FN.finditer(text)}
+    waits = {"pdl_wait"}
+    changed = True
+    while changed:  # a function waits when it calls one that waits
+        changed = False
+        for name, body in bodies.items():
+            if name not in waits and any(c in waits for c in _CALL.findall(body)):
+                waits.add(name)
+                changed = True
+    found = set()
+    for m in _ENTRY.finditer(text):
+        body = _body(text, text.index("{", m.end()))
+        if any(c in waits for c in _CALL.findall(body)):
+            found.add(m.group(1))
+    return found
+
+
+# ---- the launch with the programmatic-serialization attribute ------------------------------------------
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID (cuda.h)
+
+
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, 4 bytes of padding, a 64-byte union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
+
+
+_DRIVER: list = []
+
+
+def _driver():
+    if not _DRIVER:
+        lib = ctypes.CDLL("libcuda.so.1")
+        lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        lib.cuLaunchKernelEx.restype = ctypes.c_int
+        lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        _DRIVER.append(lib)
+    return _DRIVER[0]
+
+
+def _dims(d) -> tuple[int, int, int]:
+    d = tuple(d) if isinstance(d, (tuple, list)) else (d,)
+    return (tuple(int(v) for v in d) + (1, 1, 1))[:3]
+
+
+def _argument(a):
+    """One kernel argument as the driver reads it: a device pointer for an array, the bytes of a NumPy
+    scalar (np.int32, np.float32, np.uint64, ...) as they are."""
+    import cupy
+    import numpy as np
+
+    if isinstance(a, cupy.ndarray):
+        return ctypes.c_void_p(a.data.ptr)
+    if isinstance(a, np.generic):
+        return (ctypes.c_char * a.nbytes).from_buffer_copy(a.tobytes())
+    raise TypeError(f"kernel argument {a!r}: pass a CuPy array or a NumPy scalar (its width is the kernel's)")
+
+
+def _launch_programmatic(kernel, grid, block, args, shared_mem: int) -> None:
+    """kernel<<<grid, block, shared_mem, current stream>>>(args) with programmatic stream serialization."""
+    import cupy
+
+    fn = getattr(kernel, "kernel", kernel)  # RawKernel -> its loaded cupy.cuda.Function
+    values = [_argument(a) for a in args]
+    params = (ctypes.c_void_p * max(1, len(values)))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
+    attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+    (gx, gy, gz), (bx, by, bz) = _dims(grid), _dims(block)
+    cfg = _LaunchConfig(gx, gy, gz, bx, by, bz, int(shared_mem), cupy.cuda.get_current_stream().ptr,
+                        ctypes.pointer(attr), 1)
+    err = _driver().cuLaunchKernelEx(ctypes.byref(cfg), fn.ptr, params, None)
+    if err:
+        name = ctypes.c_char_p()
+        _driver().cuGetErrorName(err, ctypes.byref(name))
+        raise RuntimeError(f"cuLaunchKernelEx of {getattr(fn, 'name', kernel)!r} failed: "
+                           f"{(name.value or b'?').decode()} ({err})")

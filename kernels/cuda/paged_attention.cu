@@ -33,6 +33,7 @@ paged_attention_f16(const f16_bits* __restrict__ q, const f16_bits* __restrict__
                     float* __restrict__ part_m, float* __restrict__ part_l, float* __restrict__ part_acc,
                     int nq, int nkv, int d, int pages_per_split, int max_pages, float scale) {
     extern __shared__ float smem[];
+    pdl_enter();  // common.cuh: q, the pages and the positions are earlier kernels' writes
     const int kvh = blockIdx.x, t = blockIdx.y, z = blockIdx.z, splits = gridDim.z;
     const int group = nq / nkv, tid = threadIdx.x;
     const int ks = d + 1;
@@ -340,6 +341,7 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * WARP)
 paged_attention_warp_d64(const f16_bits* q, const f16_bits* k_pages, const f16_bits* v_pages, const int* page_table,
                          const int* positions, f16_bits* out, float* part_m, float* part_l, float* part_acc,
                          int nq, int nkv, int d, int pages_per_split, int max_pages, float scale) {
+    pdl_enter();  // common.cuh: q, the pages and the positions are earlier kernels' writes
     attention_warp_pages<64>(q, k_pages, v_pages, page_table, positions, out, part_m, part_l, part_acc, nq, nkv,
                              pages_per_split, max_pages, scale);
 }
@@ -347,6 +349,7 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * WARP)
 paged_attention_warp_d128(const f16_bits* q, const f16_bits* k_pages, const f16_bits* v_pages, const int* page_table,
                           const int* positions, f16_bits* out, float* part_m, float* part_l, float* part_acc,
                           int nq, int nkv, int d, int pages_per_split, int max_pages, float scale) {
+    pdl_enter();  // common.cuh: q, the pages and the positions are earlier kernels' writes
     attention_warp_pages<128>(q, k_pages, v_pages, page_table, positions, out, part_m, part_l, part_acc, nq, nkv,
                               pages_per_split, max_pages, scale);
 }
@@ -571,6 +574,7 @@ attention_prefill_tc_d128(const f16_bits* q, const f16_bits* k_pages, const f16_
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
 attention_combine_f16(const float* __restrict__ part_m, const float* __restrict__ part_l,
                       const float* __restrict__ part_acc, f16_bits* __restrict__ out, int nq, int d, int splits) {
+    pdl_enter();  // common.cuh: the partials are the attention kernel's
     __shared__ float Wz[COMBINE_MAX_SPLITS];
     __shared__ float red[WARP];
     __shared__ float Ap[COMBINE_ZG][WARP * 4];

@@ -9,6 +9,7 @@
 extern "C" __global__ void rmsnorm_f32_f16(const float* __restrict__ x, const f16_bits* __restrict__ weight,
                                            f16_bits* __restrict__ out, int H, long long x_row_stride, float eps) {
     __shared__ float scratch[WARP];
+    pdl_enter();  // common.cuh: x is the previous kernel's residual
     const int t = blockIdx.x;
     const float* xr = x + (size_t)t * x_row_stride;  // x may be a row slice of a wider residual buffer
     float ss = 0.0f;

@@ -17,6 +17,7 @@ extern "C" __global__ void rope_kv_write_f16(const f16_bits* __restrict__ qkv, c
                                              const float* __restrict__ inv_freq, f16_bits* __restrict__ k_pages,
                                              f16_bits* __restrict__ v_pages, const int* __restrict__ page_table,
                                              f16_bits* __restrict__ q_out, int nq, int nkv, int d) {
+    pdl_enter();  // common.cuh: qkv is the previous kernel's output
     const int t = blockIdx.x, half = d / 2;
     const int pos = positions[t];
     const size_t page = (size_t)page_table[pos / PAGE];

@@ -6,6 +6,9 @@ kernels/cuda/loader.py), so a kernel that does not compile fails here, on a mach
 before it can land. It skips, with the reason, where nvcc is absent. The launcher tests read each
 format's launcher (kernels/cuda/<format>.py) through kernels/cuda/catalog.py, from its source: every
 GEMV variant it ships names an entry point of its `.cu` for every op, and every format has a launcher.
+The launch tests hold the loader's reading of which kernels wait for their predecessor (programmatic
+dependent launch, kernels/cuda/common.cuh): every kernel of a decode step does, and a kernel that does
+not wait is never taken for one that does.
 """
 
 from __future__ import annotations
@@ -99,3 +102,37 @@ def test_cpu_path_does_not_import_cupy():
     )
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
+
+
+# every kernel a decode step launches, besides the GEMVs (kernels/cuda/__init__.py, engine/cuda_graph.py)
+DECODE_STEP_KERNELS = ("embed_f16_f32", "rmsnorm_f32_f16", "rope_kv_write_f16", "paged_attention_f16",
+                       "paged_attention_warp_d64", "paged_attention_warp_d128", "attention_combine_f16",
+                       "lm_head_f16_f32", "argmax_partial_f32", "argmax_f32_i32", "decode_advance_i32")
+
+
+def test_every_kernel_of_a_decode_step_waits_for_its_predecessor():
+    """The loader overlaps a kernel with its predecessor only when the kernel waits for it: each kernel
+    of a decode step (every GEMV variant of every format, and the others) must, or it loses the overlap."""
+    waiting = set().union(*(LOADER.waiting_entry_points(m) for m in LOADER.MODULES))
+    gemvs = {CATALOG.gemv_kernel_name(info["gemv_kernel"], op, variant)
+             for info in CATALOG.launchers().values() for variant in info["variants"] for op in CATALOG.LINEAR_OPS}
+    missing = sorted((gemvs | set(DECODE_STEP_KERNELS)) - waiting)
+    assert not missing, f"decode-step kernels that never call pdl_wait(): {missing}"
+
+
+def test_only_a_kernel_that_calls_pdl_wait_is_launched_early():
+    """Through a chain of device functions it counts; in a comment, or in a function the kernel does not
+    call, it does not."""
+    src = """
+    __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+    template <int N> __device__ __forceinline__ void inner(float* y) { pdl_wait(); y[0] = N; }
+    __device__ __forceinline__ void outer(float* y) { inner<3>(y); }
+    __device__ __forceinline__ void plain(float* y) { y[0] = 1.0f; }
+    extern "C" __global__ void through_a_chain(float* y) { outer(y); }
+    extern "C" __global__ void __launch_bounds__(64) directly(float* y) { if (y) { pdl_wait(); } y[1] = 0; }
+    extern "C" __global__ void only_a_comment(float* y) {  // pdl_wait() here would be too late
+        plain(y);
+    }
+    extern "C" __global__ void never(float* y) { plain(y); }
+    """
+    assert LOADER.waiting_in(src) == {"through_a_chain", "directly"}
