@@ -38,8 +38,9 @@ __device__ __forceinline__ float quiet_nan() { return __int_as_float(0x7fc00000)
 //     has completed and its writes are visible (and at once for a kernel launched without the
 //     attribute). Every block calls it, early returns included: so when a kernel has completed, so has
 //     every kernel before it;
-//   * before that wait a kernel touches only memory no kernel of the step writes: the GEMVs ask for
-//     their weight rows in L2 there (prefetch_l2), so their first loads overlap the predecessor's tail;
+//   * before that wait a kernel may touch only memory no kernel of the step writes (the weights). A
+//     bulk L2 prefetch of each GEMV block's weight rows there was measured and dropped: it slowed the
+//     large GEMVs by 6-19% (bench/NOTES.md, v4);
 //   * pdl_launch_dependents() lets the next kernel's blocks be scheduled as soon as every block of this
 //     one has started (not ended); it orders no memory, the next kernel's own pdl_wait() does.
 // The loader launches an entry point with the attribute only when its source calls pdl_wait() (itself
@@ -50,11 +51,6 @@ __device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepc
 __device__ __forceinline__ void pdl_enter() {
     pdl_wait();
     pdl_launch_dependents();
-}
-// Ask for `bytes` bytes at `p` in L2 (16-byte aligned, a multiple of 16): one instruction, no register
-// written, nothing waited for.
-__device__ __forceinline__ void prefetch_l2(const void* p, u32 bytes) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
 }
 
 // ---- fp16 <-> fp32 (round to nearest even on the way down, as NumPy's astype(float16)) ----------

@@ -102,10 +102,7 @@ __device__ __forceinline__ void gemv_rows(const f16_bits* __restrict__ x, const 
         wr[a] = gemv_weight_row<EPI, RB>(row0, a, rows);
         wrow[a] = qweight + (size_t)wr[a] * chunks;
     }
-    // the weights are no kernel's output: fetch this block's rows into L2 while the previous kernel
-    // ends, then wait for it before reading x (common.cuh, programmatic dependent launch)
-    if (tid < R) prefetch_l2(wrow[tid], (u32)chunks * 16u);
-    pdl_enter();
+    pdl_enter();  // common.cuh: x is the previous kernel's output
 
     float acc[R];
 #pragma unroll

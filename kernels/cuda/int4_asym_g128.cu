@@ -163,12 +163,7 @@ __device__ __forceinline__ void asym_gemv_tc(const f16_bits* __restrict__ x, con
     const u32* szlo = scale_zero + (size_t)lo * groups;
     const u32* szhi = scale_zero + (size_t)hi * groups;
     const uint4* xv = reinterpret_cast<const uint4*>(x + (size_t)t * in_f) + 4 * c;
-    // the block's 16 weight rows into L2 while the previous kernel ends, then wait for it (common.cuh)
-    if (warp == 0 && c == 0) {
-        prefetch_l2(qweight + (size_t)lo * words_per_row, (u32)in_f / 2);
-        prefetch_l2(qweight + (size_t)hi * words_per_row, (u32)in_f / 2);
-    }
-    pdl_enter();
+    pdl_enter();  // common.cuh: x is the previous kernel's output
 
     float tlo = 0.0f, thi = 0.0f;
     for (int g0 = warp * U; g0 < groups; g0 += NW * U) {
