@@ -20,6 +20,7 @@ PIPE_FROM_TOKENS (kernels/cuda/int4_sym_g128.py) should pick. Progress lines go 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -57,7 +58,12 @@ def prefill_times(formats, tokens, shape: str = "qwen2.5-coder-7b", seed: int = 
     from engine.formats import get_format
     from kernels.base import get_backend
     from ladder.compare import measure
-    from ladder.tools.gemv_timing import BLOCK_ROWS, _reference, op_shapes, tiled_tensors
+    from ladder.tools.gemv_timing import (
+        BLOCK_ROWS,
+        _reference,
+        op_shapes,
+        tiled_tensors,
+    )
 
     be = get_backend("cuda")
     be.gemv_max_tokens = 1
@@ -84,10 +90,8 @@ def prefill_times(formats, tokens, shape: str = "qwen2.5-coder-7b", seed: int = 
                     x = be.asarray(x_host)
                     out16 = be.empty((T, n_out), np.float16)
                     resid = be.full((T, n_out), 0.0, np.float32)
-                    call = {"qkv_proj": lambda: be.qkv_proj(x, w, bias, out16),
-                            "o_proj_residual": lambda: be.o_proj_residual(x, w, resid),
-                            "gate_up_silu": lambda: be.gate_up_silu(x, w, out16),
-                            "down_residual": lambda: be.down_residual(x, w, resid)}[op]
+                    outputs = {"qkv_proj": (bias, out16), "gate_up_silu": (out16,)}.get(op, (resid,))
+                    call = functools.partial(getattr(be, op), x, w, *outputs)  # the op with its epilogue
                     if T == CHECK_T:
                         call()
                         ref, plain, key = _reference(name, op, block, x_host, bias_block, out_f)
@@ -106,7 +110,7 @@ def prefill_times(formats, tokens, shape: str = "qwen2.5-coder-7b", seed: int = 
                                      "tflops": tflops, "out_features": out_f, "in_features": in_f})
                     _say(f"  {name} {op} {kernel} T={T}: {ms:.3f} ms, {tflops:.0f} TFLOP/s")
             if name in be.prefill_variant:
-                be.prefill_variant[name] = getattr(launcher, "DEFAULT_PREFILL")
+                be.prefill_variant[name] = launcher.DEFAULT_PREFILL
             w = x = out16 = resid = None  # the next op's weight and buffers replace these
             cp.get_default_memory_pool().free_all_blocks()
     return rows_out

@@ -58,14 +58,14 @@ class Entry:
             return _launch_programmatic(self.kernel, grid, block, args, shared_mem)
         return self.kernel(grid, block, args, shared_mem=shared_mem)
 
+    def __getattr__(self, attr):  # attributes, max_threads_per_block, ...: the RawKernel's own
+        return getattr(self.kernel, attr)
+
 
 def _capturing() -> bool:
     import cupy
 
     return cupy.cuda.get_current_stream().is_capturing()
-
-    def __getattr__(self, attr):  # attributes, max_threads_per_block, ...: the RawKernel's own
-        return getattr(self.kernel, attr)
 
 
 def _inline(text: str, where: str, seen: set[str]) -> str:

@@ -335,3 +335,17 @@ def test_inspect_into_head_prints_its_first_line_and_no_traceback(tmp_path):
     err = inspect.stderr.read().decode()
     assert inspect.wait(timeout=300) in (0, 141) and err == "", err[-3000:]
     assert head.stdout.startswith("file:") and head.stdout.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv,names", [
+    (["--tokens", "1"], "lengths of 2 or more"),
+    (["--tokens", "16,x"], "comma list of integers"),
+    (["--shape", "qwen-nope"], "unknown shape 'qwen-nope'"),
+])
+def test_the_prefill_gemm_bench_refuses_bad_input_in_one_line(argv, names):
+    """`python -m bench.prefill_gemm` (bench/ is a leaf: run, not imported): one line, exit status 2."""
+    res = subprocess.run([sys.executable, "-m", "bench.prefill_gemm", *argv], cwd=Path(__file__).resolve().parents[2],
+                         capture_output=True, text=True, timeout=120)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1, (res.returncode, res.stderr[-1000:])
+    assert lines[0].startswith("bench.prefill_gemm: error:") and names in lines[0]
