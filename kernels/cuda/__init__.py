@@ -137,8 +137,8 @@ class CudaBackend(Backend):
     @property
     def pdl(self) -> bool:
         """Programmatic dependent launch, in captured CUDA graphs, of the kernels that wait for their
-        predecessor (common.cuh, loader.py): on by default. One switch for the process, since the compiled kernels are shared;
-        `nanoqwen bench --before-set pdl=off` times a step without it."""
+        predecessor (common.cuh, loader.py): on by default. One switch for the process, since the
+        compiled kernels are shared; `nanoqwen bench --before-set pdl=off` times a step without it."""
         return loader.PDL["on"]
 
     @pdl.setter

@@ -27,8 +27,9 @@ PREFILL_KERNELS = {"pipe": ("int4_mma_pipe_f32", 128, PIPE_BN), "pipe64": ("int4
                    "mma": ("int4_mma_f32", MMA_BM, MMA_BN)}
 PREFILL_VARIANTS = ("auto", "pipe", "pipe64", "mma")
 DEFAULT_PREFILL = "auto"
-# "auto": measured per layer of the 7B shape on an H200 (bench/prefill_gemm.py, v4), the register-staged
-# kernel is 11-28% faster than the cp.async ring from 16 to 256 tokens, the ring 3% faster at 512 and 2048
+# "auto": measured per layer of the 7B shape on an H200 in two runs (bench/prefill_gemm.py, v4), the
+# register-staged kernel is 11-32% faster than the cp.async ring from 16 to 256 tokens, the ring 3% faster
+# at 512 and 4% at 8192, the two within 2% of each other at 2048
 PIPE_FROM_TOKENS = 512
 GEMV_KERNEL = "int4_gemv"
 VARIANTS = ("t64_r4", "t128_r4", "t128_r8", "t256_r8", "tc_w4_u4", "tc_w8_u4", "tc_w8_u2", "f64_r4", "f128_r4",
