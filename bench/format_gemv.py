@@ -24,6 +24,7 @@ import json
 import sys
 from pathlib import Path
 
+from bench.checks import cuda_problem, refuse, shape_problem
 from ladder.tools.gemv_timing import ACCEPT_RATIO, NOMINAL_BANDWIDTH, gemv_times, summary
 
 
@@ -74,29 +75,21 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, metavar="OUT", help="write the rows and the summary here")
     args = p.parse_args(argv)
 
-    from engine.config import SHAPES
     from engine.formats import FORMATS
-    from kernels.base import backend_available
 
-    if args.shape not in SHAPES:
-        print(f"bench.format_gemv: error: unknown shape {args.shape!r}; one of {sorted(SHAPES)}", file=sys.stderr)
-        return 2
     formats = [f for f in args.formats.split(",") if f] if args.formats else None
     unknown = [f for f in formats or () if f not in FORMATS]
-    if unknown:
-        print(f"bench.format_gemv: error: unknown formats {unknown}; known: {', '.join(sorted(FORMATS))}", file=sys.stderr)
-        return 2
-    ok, why = backend_available("cuda")
-    if not ok:
-        print(f"bench.format_gemv: error: the cuda backend cannot run here: {why}", file=sys.stderr)
-        return 2
+    problem = (shape_problem(args.shape)
+               or (f"unknown formats {unknown}; known: {', '.join(sorted(FORMATS))}" if unknown else None)
+               or cuda_problem())
+    if problem:
+        return refuse("bench.format_gemv", problem)
     import cupy as cp
 
     try:
         rows = gemv_times(formats, repeats=args.repeats, shape=args.shape, all_variants=args.all_variants)
     except ValueError as e:
-        print(f"bench.format_gemv: error: {e}", file=sys.stderr)
-        return 2
+        return refuse("bench.format_gemv", str(e))
     summ = summary(rows)
     name = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"]
     device = name.decode() if isinstance(name, bytes) else str(name)

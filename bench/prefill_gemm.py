@@ -21,11 +21,14 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import json
 import sys
 from pathlib import Path
 
 import numpy as np
+
+from bench.checks import cuda_problem, refuse, shape_problem
 
 OPS = ("qkv_proj", "o_proj_residual", "gate_up_silu", "down_residual")
 CHECK_T = 130
@@ -71,7 +74,7 @@ def prefill_times(formats, tokens, shape: str = "qwen2.5-coder-7b", seed: int = 
     rows_out = []
     for name in formats:
         fmt = get_format(name)
-        launcher = __import__(f"kernels.cuda.{name}", fromlist=["PREFILL_VARIANTS"])
+        launcher = importlib.import_module(f"kernels.cuda.{name}")
         kernels = [v for v in getattr(launcher, "PREFILL_VARIANTS", ("default",)) if v != "auto"]
         for op in OPS:
             out_f, in_f = shapes[op]
@@ -117,19 +120,22 @@ def prefill_times(formats, tokens, shape: str = "qwen2.5-coder-7b", seed: int = 
 
 
 def per_layer(rows: list[dict]) -> list[dict]:
-    """(format, T, kernel) -> the four ops' sum, with the fastest kernel marked."""
+    """(format, T, kernel) -> the four ops' sum of time and its rate (TFLOP/s), the fastest kernel marked."""
     sums: dict[tuple, dict] = {}
     for r in rows:
         if not r["ok"]:
             continue
         k = (r["format"], r["T"], r["kernel"])
-        s = sums.setdefault(k, {"format": r["format"], "T": r["T"], "kernel": r["kernel"], "ms": 0.0, "ops": 0})
+        s = sums.setdefault(k, {"format": r["format"], "T": r["T"], "kernel": r["kernel"], "ms": 0.0, "flop": 0.0,
+                                "ops": 0})
         s["ms"] += r["ms"]
+        s["flop"] += 2.0 * r["T"] * r["out_features"] * r["in_features"]
         s["ops"] += 1
     out = [s for s in sums.values() if s["ops"] == len(OPS)]
     for s in out:
         peers = [o["ms"] for o in out if o["format"] == s["format"] and o["T"] == s["T"]]
         s["fastest"] = s["ms"] == min(peers)
+        s["tflops"] = s["flop"] / (s["ms"] * 1e-3) / 1e12
     return sorted(out, key=lambda s: (s["format"], s["T"], s["ms"]))
 
 
@@ -141,44 +147,30 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, metavar="OUT", help="write the rows and the per-layer sums here")
     args = p.parse_args(argv)
 
-    from engine.config import SHAPES
-    from kernels.base import backend_available
-
-    if args.shape not in SHAPES:
-        print(f"bench.prefill_gemm: error: unknown shape {args.shape!r}; one of {sorted(SHAPES)}", file=sys.stderr)
-        return 2
     try:
         tokens = [int(t) for t in args.tokens.split(",") if t]
     except ValueError:
-        print(f"bench.prefill_gemm: error: --tokens must be a comma list of integers, got {args.tokens!r}", file=sys.stderr)
-        return 2
-    if not tokens or min(tokens) < 2:
-        print("bench.prefill_gemm: error: --tokens needs lengths of 2 or more (T = 1 is the GEMV path)", file=sys.stderr)
-        return 2
-    ok, why = backend_available("cuda")
-    if not ok:
-        print(f"bench.prefill_gemm: error: the cuda backend cannot run here: {why}", file=sys.stderr)
-        return 2
+        tokens = None
+    problem = (shape_problem(args.shape)
+               or (f"--tokens must be a comma list of integers, got {args.tokens!r}" if tokens is None else None)
+               or ("--tokens needs lengths of 2 or more (T = 1 is the GEMV path)" if not tokens or min(tokens) < 2
+                   else None)
+               or cuda_problem())
+    if problem:
+        return refuse("bench.prefill_gemm", problem)
     from kernels.cuda import LINEARS
 
     formats = [f for f in args.formats.split(",") if f] if args.formats else sorted(LINEARS)
     unknown = [f for f in formats if f not in LINEARS]
     if unknown:
-        print(f"bench.prefill_gemm: error: no cuda launcher for {unknown}; known: {', '.join(sorted(LINEARS))}",
-              file=sys.stderr)
-        return 2
+        return refuse("bench.prefill_gemm", f"no cuda launcher for {unknown}; known: {', '.join(sorted(LINEARS))}")
     rows = prefill_times(formats, tokens, shape=args.shape)
     layers = per_layer(rows)
     print(f"\n== prefill GEMMs (4 ops with epilogues, one layer), {args.shape} shapes")
     print(f"{'format':18s} {'T':>6s} {'kernel':8s} {'ms/layer':>9s} {'TFLOP/s':>8s}")
-    flops = {}
-    for r in rows:
-        if r["ok"]:
-            flops[(r["format"], r["T"], r["kernel"])] = flops.get((r["format"], r["T"], r["kernel"]), 0.0) + \
-                2.0 * r["T"] * r["out_features"] * r["in_features"]
     for s in layers:
-        rate = flops[(s["format"], s["T"], s["kernel"])] / (s["ms"] * 1e-3) / 1e12
-        print(f"{s['format']:18s} {s['T']:6d} {s['kernel']:8s} {s['ms']:9.3f} {rate:8.0f}{'  <- fastest' if s['fastest'] else ''}")
+        print(f"{s['format']:18s} {s['T']:6d} {s['kernel']:8s} {s['ms']:9.3f} {s['tflops']:8.0f}"
+              f"{'  <- fastest' if s['fastest'] else ''}")
     wrong = [r for r in rows if not r["ok"]]
     for r in wrong:
         print(f"WRONG: {r['format']} {r['op']} {r['kernel']}: max error {r['max_abs_err']:.3g} > bound {r['bound']:.3g}")
