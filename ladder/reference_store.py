@@ -94,22 +94,14 @@ def bounds_key(model_path, floor_prompts, new_tokens) -> str:
     return _key("bounds", model_fingerprint(model_path), [(p.id, list(p.ids)) for p in floor_prompts], new_tokens)
 
 
-def store_root() -> Path:
+BOUNDS, REFERENCES, BLOCKS = "graph-bounds", "graph-references", "layer-references"  # the kinds kept
+
+
+def kept_root(kind: str) -> Path:
+    """The folder of one kind of kept result under the nanoqwen cache folder."""
     from engine.resolve import cache_root
 
-    return cache_root() / "graph-bounds"
-
-
-def references_root() -> Path:
-    from engine.resolve import cache_root
-
-    return cache_root() / "graph-references"
-
-
-def blocks_root() -> Path:
-    from engine.resolve import cache_root
-
-    return cache_root() / "layer-references"
+    return cache_root() / kind
 
 
 def _abandoned(lock: Path) -> bool:
@@ -133,9 +125,9 @@ def _abandoned(lock: Path) -> bool:
 
 def load_or_derive(key: str, derive: Callable[[], GraphBounds], poll: float = 0.5) -> GraphBounds:
     """The kept bounds of `key`, else derive them (one process at a time: the others wait) and keep them."""
-    root = store_root()
-    root.mkdir(parents=True, exist_ok=True)
-    path, lock = root / f"{key}.json", root / f"{key}.lock"
+    folder = kept_root(BOUNDS)
+    folder.mkdir(parents=True, exist_ok=True)
+    path, lock = folder / f"{key}.json", folder / f"{key}.lock"
     while True:
         if path.exists() and not _fresh():
             return GraphBounds.from_record(json.loads(path.read_text()))
@@ -153,7 +145,7 @@ def load_or_derive(key: str, derive: Callable[[], GraphBounds], poll: float = 0.
             if path.exists() and not _fresh():  # kept by a process that held the lock between our look and our lock
                 return GraphBounds.from_record(json.loads(path.read_text()))
             bounds = derive()
-            tmp = root / f".{key}.{os.getpid()}.tmp"
+            tmp = folder / f".{key}.{os.getpid()}.tmp"
             tmp.write_text(json.dumps(bounds.record()))
             os.replace(tmp, path)
             return bounds
@@ -168,7 +160,7 @@ class KeptReferences:
     def __init__(self, model_path):
         from fixtures.golden import model_fingerprint
 
-        self.folder = references_root() / _key("references", model_fingerprint(model_path))
+        self.folder = kept_root(REFERENCES) / _key("references", model_fingerprint(model_path))
         self._used = False
 
     def get(self, ids, n_new: int, run: Callable[[], Reference]) -> Reference:
@@ -264,7 +256,7 @@ def kept_block(config: dict, weights: dict, layer: int, x: np.ndarray, compute: 
         a = np.ascontiguousarray(weights[n])
         h.update(f"{n}{a.shape}{a.dtype}".encode() + a.tobytes())
     h.update(np.ascontiguousarray(x).tobytes())
-    root = blocks_root()
+    root = kept_root(BLOCKS)
     path = root / f"{_key('block', h.hexdigest())}.npz"
     kept = _read(path, "out", "k", "v")
     if kept is not None:

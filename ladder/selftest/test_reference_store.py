@@ -251,4 +251,4 @@ def test_a_large_block_is_computed_every_time(store, monkeypatch):
     w = {"model.layers.0.w": np.zeros((4, 4), np.float32)}
     for _ in range(2):
         reference_store.kept_block({}, w, 0, np.zeros((1, 4), np.float32), lambda: calls.append(1) or (1, 2, 3))
-    assert len(calls) == 2 and not reference_store.blocks_root().exists()
+    assert len(calls) == 2 and not reference_store.kept_root(reference_store.BLOCKS).exists()
