@@ -43,8 +43,13 @@ def by_row_blocks(fn, tensors: dict[str, np.ndarray], blocks: int | None = None)
     quantizing and float64 reading take seconds each. Every shipped format keeps its data and its scales
     row by row (Format.fuse), so the blocks' results joined are the whole weight's."""
     rows = next(iter(tensors.values())).shape[0]
-    blocks = blocks or min(8, os.cpu_count() or 1)
+    blocks = blocks or host_threads()
     cuts = [rows * i // blocks for i in range(blocks + 1)]
     parts = [{k: v[a:b] for k, v in tensors.items()} for a, b in zip(cuts, cuts[1:]) if b > a]
     with ThreadPoolExecutor(len(parts)) as pool:
         return list(pool.map(fn, parts))
+
+
+def host_threads() -> int:
+    """Threads for the host-side preparation of the 7B-shape cases (quantizing, reading): the cores, at most 8."""
+    return min(8, os.cpu_count() or 1)

@@ -11,7 +11,6 @@ precision contract's fp16 storage points) against the same reference: TOL[("laye
 from __future__ import annotations
 
 import contextlib
-import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -26,6 +25,7 @@ from fixtures.layer_cases import MODEL_CASES, SEVEN_B_CASES, LayerCase
 from fixtures.tiny_model import random_weights
 from ladder.blockrun import run_engine_block
 from ladder.compare import assert_close
+from ladder.harness import host_threads
 from ladder.opcheck import first_op_over_its_bound, op_checks, recording
 from ladder.reference_store import kept_block, missing_library
 from reference.model import ref_block
@@ -63,7 +63,7 @@ class BlockUnderTest:
         # The 7B shape's seven linears (233 M weights) are quantized side by side: NumPy releases the GIL in
         # its array work, and one after another they took most of the case (fp8: 6 s of 14 on an H200 host).
         big = sum(w.size for w in raw.values()) > 10_000_000
-        with ThreadPoolExecutor(min(8, os.cpu_count() or 1) if big else 1) as pool:
+        with ThreadPoolExecutor(host_threads() if big else 1) as pool:
             made = list(pool.map(store, raw.items()))
         stored = {k: v for tensors, _ in made for k, v in tensors.items()}
         weights = {name: w for name, (_, w) in zip(raw, made)}
