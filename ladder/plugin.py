@@ -42,7 +42,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 from kernels import backend_available, backend_class, backend_names, backend_needs_device, get_backend
-from ladder import required
+from ladder import groups, required
 # The summary's hooks are this plugin's: pytest registers the hooks a plugin module holds, these included.
 from ladder.summary import (ROWS, attach, is_worker, pytest_collection_finish,  # noqa: F401
                             pytest_runtest_logreport, pytest_sessionfinish, pytest_terminal_summary,
@@ -200,6 +200,7 @@ def pytest_configure(config):
             raise pytest.UsageError(str(e)) from None
     selected_formats(config)
     attach(config)
+    config.pluginmanager.register(groups, "nanoqwen-groups")  # the scheduler of --dist loadgroup
     if config.getoption("--record-launches"):
         from ladder.launches import CaseLaunches, recording_is_free, start
 
@@ -276,7 +277,7 @@ def _rung_of(item) -> str | None:
     return rel.parts[0] if rel.parts and rel.parts[0] in ROWS else None
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the xdist_group markers added here
+@pytest.hookimpl(tryfirst=True)  # before pytest's own `-m` selection, which reads the rung markers added here
 def pytest_collection_modifyitems(config, items):
     spec = config.getoption("--shard")
     if spec:  # every worker (and a run without workers) keeps the same shard: a hash of the node id
@@ -307,16 +308,9 @@ def pytest_collection_modifyitems(config, items):
         name = callspec.params.get("backend_name") if callspec is not None else None
         if name is not None and backend_needs_device(name):
             item.add_marker(pytest.mark.gpu)
-        quant = callspec.params.get("quant_name") if callspec is not None else None
-        if quant is not None and len(formats) > 1 and grouped and "model_path" in item.fixturenames:
-            # With `--dist loadgroup` (nanoqwen ladder passes it) a format's model-bound cases stay on one
-            # worker, which builds its model and reference once instead of at every switch between formats.
-            # The other cases (the unit rung's) spread over every worker.
-            item.add_marker(pytest.mark.xdist_group(f"{quant}-{name}"))
-        pair = item.get_closest_marker("same_worker")
-        if pair is not None and callspec is not None and grouped:
-            key = "-".join(str(callspec.params.get(p)) for p in pair.args)
-            item.add_marker(pytest.mark.xdist_group(f"{item.originalname}-{key}"))
+    # With `--dist loadgroup` (nanoqwen ladder passes it) a format's model-bound cases stay on one worker,
+    # which builds its model and reference once; the unit rung's cases spread over every worker (ladder/groups.py).
+    groups.write_groups(config, items, formats)
 
 
 # --- fixtures ------------------------------------------------------------------------------------

@@ -1,0 +1,106 @@
+"""Worker groups under `pytest -n N --dist loadgroup`: the cases that share something costly run on one worker.
+
+Two kinds of groups (`group_of`):
+- a format's model-bound cases (those that take `model_path`: the layer and graph rungs') share one worker,
+  which builds that format's model and its HF simulation once instead of at every switch between formats;
+  the other cases (the unit rung's) are free and spread over every worker;
+- a test marked `same_worker(*params)` keeps its cases that share those parameters together (the 7B-shape
+  linears' decode and prefill cases share one weight).
+
+How a group reaches the scheduler. pytest-xdist's own loadgroup reads `xdist_group` markers in the worker
+and appends `@group` to each item's node id; pytest 9.2 keeps the node id in a new field, the renaming was
+lost, and every group came back empty without a word. So nothing here renames a node id, adds a marker for
+another plugin to read, or depends on the order of hooks: the controller hands each worker a folder
+(`pytest_configure_node`, through `workerinput`), each worker writes the groups it computed while
+collecting (`write_groups`: node id -> group), and the scheduler that `--dist loadgroup` gets from this
+plugin (`pytest_xdist_make_scheduler`) reads a node id's scope from those files. Workers send their
+collections after writing them, and xdist schedules only when every collection has arrived, so the files
+are complete when they are read. A node id the files do not name keeps pytest-xdist's own rule.
+ladder/selftest/test_groups.py proves it with the worker that ran each case.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+KEY = "nanoqwen_groups"  # the workerinput entry that names the groups folder
+
+
+def group_of(item, formats: list[str]) -> str | None:
+    """The group of one collected item, or None for a free case."""
+    callspec = getattr(item, "callspec", None)
+    if callspec is None:
+        return None
+    quant = callspec.params.get("quant_name")
+    if quant is not None and len(formats) > 1 and "model_path" in item.fixturenames:
+        # With one format there is one model: its cases spread over every worker, each building it once.
+        return f"{quant}-{callspec.params.get('backend_name')}"
+    pair = item.get_closest_marker("same_worker")
+    if pair is not None:
+        return f"{item.originalname}-" + "-".join(str(callspec.params.get(p)) for p in pair.args)
+    return None
+
+
+def write_groups(config, items, formats: list[str]) -> None:
+    """In a worker: write node id -> group for the collected items where the controller asked for it."""
+    folder = getattr(config, "workerinput", {}).get(KEY)
+    if not folder:
+        return
+    groups = {item.nodeid: g for item in items if (g := group_of(item, formats)) is not None}
+    path = Path(folder) / f"{config.workerinput['workerid']}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(groups))
+    os.replace(tmp, path)  # the scheduler never reads half a file
+
+
+def _wanted(config) -> bool:
+    return config.getvalue("dist") == "loadgroup"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """In the controller, before a worker starts: the folder it writes its groups to."""
+    config = node.config
+    if not _wanted(config):
+        return
+    if getattr(config, "_nanoqwen_groups", None) is None:
+        config._nanoqwen_groups = tempfile.mkdtemp(prefix="nanoqwen-groups-")
+    node.workerinput[KEY] = config._nanoqwen_groups
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)  # firstresult: pytest-xdist's own answer would win otherwise
+def pytest_xdist_make_scheduler(config, log):
+    if not _wanted(config):
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class GroupScheduling(LoadGroupScheduling):
+        """pytest-xdist's loadgroup, the groups read from the workers' files instead of the node ids."""
+
+        groups: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.groups is None:
+                self.groups = read_groups(getattr(config, "_nanoqwen_groups", None))
+            return self.groups.get(nodeid) or super()._split_scope(nodeid)
+
+    return GroupScheduling(config, log)
+
+
+def read_groups(folder: str | None) -> dict[str, str]:
+    groups: dict[str, str] = {}
+    for path in sorted(Path(folder).glob("*.json")) if folder else ():
+        groups.update(json.loads(path.read_text()))
+    return groups
+
+
+def pytest_unconfigure(config):
+    folder = getattr(config, "_nanoqwen_groups", None)
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
