@@ -15,8 +15,13 @@ name, dtype and shape of every tensor the config needs. Each problem is one `Che
 Two checks read data, and both come before the output's temporary file is created: `tokenizer.json`
 must be one the tokenizers library accepts (`CheckpointTokenizerError`, with the library's reason), and
 every tensor the model takes must be finite (`NonFiniteWeightError`, naming the file, the tensor, the
-first NaN or infinity's index and value). The finiteness scan reads each tensor's raw bits once, a chunk
-at a time, before the conversion reads it again to quantize or copy it.
+first NaN or infinity's index and value) and within float16's range where float16 holds it
+(`Float16RangeError`, naming the same): a bf16 or fp32 value that rounds past 65504, float16's largest
+finite value, in a tensor kept as float16, or one that makes a quantized weight's float16 scale
+overflow. The scan reads each tensor's raw bits once, a chunk at a time, before the conversion reads it
+again to quantize or copy it; only a quantized tensor holding a value over 65504 is read again, and
+quantized, to find out (every shipped format's scale is at most max |W| / 7, so smaller values
+cannot overflow one).
 """
 
 from __future__ import annotations
@@ -55,6 +60,25 @@ class NonFiniteWeightError(CheckpointError):
                          f"(the checkpoint is broken)")
 
 
+class Float16RangeError(CheckpointError):
+    """A finite checkpoint value that float16 cannot hold where the file stores float16: in a tensor kept
+    as float16 (embeddings, norms, biases, lm_head) it would silently become an infinity, and in a
+    quantized linear its group's or row's float16 scale would (`reason`: the format's own words). Names
+    the file, the tensor, the (first such) value's index and the value."""
+
+    def __init__(self, path, tensor: str, index: tuple[int, ...], value: str, count: int, quant: str | None,
+                 reason: str = ""):
+        self.path, self.tensor, self.index, self.value, self.count, self.quant = (
+            str(path), tensor, index, value, count, quant)
+        more = f" (the first of {count} values out of float16's range)" if count > 1 else ""
+        if quant is None:
+            why = (f"the tensor is stored as float16, whose largest finite value is {FLOAT16_MAX:g}, so it "
+                   f"would become {'-inf' if value.startswith('-') else 'inf'}")
+        else:
+            why = f"{quant} stores its scales as float16, whose largest finite value is {FLOAT16_MAX:g}: {reason}"
+        super().__init__(f"{path}: tensor {tensor} holds {value} at index {index}{more}; {why}")
+
+
 class CheckpointTokenizerError(CheckpointError):
     """A checkpoint's tokenizer.json that is not UTF-8 or that the tokenizers library refuses."""
 
@@ -67,6 +91,12 @@ _ST_MAX_HEADER = 100 << 20  # the safetensors format's own limit on a header
 _ST_NONFINITE = {"BF16": ("<u2", 0x7F80, 0x007F), "F16": ("<u2", 0x7C00, 0x03FF),
                  "F32": ("<u4", 0x7F800000, 0x007FFFFF)}
 _SCAN_CHUNK = 64 << 20  # bytes per read of the finiteness scan (a multiple of every item size)
+FLOAT16_MAX = 65504.0
+# dtype -> how far its bits sit below float32's (the same sign, exponent and top mantissa bits): the
+# dtypes whose finite values can exceed float16's range (an F16 checkpoint's cannot)
+_ST_FP32_SHIFT = {"BF16": 16, "F32": 0}
+_F32_ROUNDS_TO_INF = 0x477FF000  # |bits| of 65520.0: from here up, float32 -> float16 rounds to inf (ties to even)
+_F32_OVER_FP16_MAX = 0x477FE001  # |bits| of the first float32 above 65504
 INDEX = "model.safetensors.index.json"
 
 
@@ -269,14 +299,15 @@ class SafetensorsFolder:
             return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32).reshape(shape)
         return raw.view("<f2" if dtype == "F16" else "<f4").astype(np.float32).reshape(shape)
 
-    def first_non_finite(self, name: str) -> tuple[tuple[int, ...], str, int] | None:
-        """(index, "nan" / "inf" / "-inf", how many) of the tensor's first NaN or infinity, or None.
-
-        Reads the raw bits a chunk at a time (no float32 copy, memory bounded by the chunk)."""
+    def _scan(self, name: str, tests) -> list[tuple[int, int, int] | None]:
+        """For each test (raw bits -> bool mask), (flat index, bits, how many) of the first element of the
+        tensor it picks, or None. Reads the raw bits once, a chunk at a time (no float32 copy, memory
+        bounded by the chunk)."""
         path, meta, base = self.entries[name]
-        bits_dtype, exponent, mantissa = _ST_NONFINITE[meta["dtype"]]
+        bits_dtype = _ST_NONFINITE[meta["dtype"]][0]
         start, end = (base + o for o in meta["data_offsets"])
-        first, count, seen = None, 0, 0
+        first: list = [None] * len(tests)
+        count, seen = [0] * len(tests), 0
         try:
             with open(path, "rb") as f:
                 f.seek(start)
@@ -286,28 +317,116 @@ class SafetensorsFolder:
                     if len(raw) != want:  # the file shrank since it was opened
                         raise CheckpointError(f"{path}: tensor {name} runs past the end of the file")
                     bits = np.frombuffer(raw, dtype=bits_dtype)
-                    bad = (bits & exponent) == exponent
-                    n = int(np.count_nonzero(bad))
-                    if n and first is None:
-                        i = int(np.argmax(bad))
-                        first = (seen + i, int(bits[i]))
-                    count += n
+                    for t, test in enumerate(tests):
+                        hit = test(bits)
+                        n = int(np.count_nonzero(hit))
+                        if n and first[t] is None:
+                            i = int(np.argmax(hit))
+                            first[t] = (seen + i, int(bits[i]))
+                        count[t] += n
                     seen += bits.size
         except OSError as e:
             raise CheckpointError(f"{path}: cannot read tensor {name} ({e.strerror or e})") from None
-        if first is None:
-            return None
-        flat, b = first
+        return [None if f is None else (f[0], f[1], n) for f, n in zip(first, count)]
+
+    def _index(self, name: str, flat: int) -> tuple[int, ...]:
+        return tuple(int(i) for i in np.unravel_index(flat, self.entries[name][1]["shape"]))
+
+    def _non_finite_test(self, name: str):
+        _, exponent, _ = _ST_NONFINITE[self.dtype(name)]
+        return lambda bits: (bits & exponent) == exponent  # NaN or infinite: the exponent is all ones
+
+    def _magnitude_test(self, name: str, fp32_bits: int):
+        """The test picking the finite values whose magnitude's float32 bits are at least `fp32_bits`
+        (a BF16 value is a float32's top half: compared with the threshold's top half, rounded up)."""
+        shift = _ST_FP32_SHIFT[self.dtype(name)]
+        exponent = _ST_NONFINITE[self.dtype(name)][1]
+        magnitude = (1 << (31 - shift)) - 1  # every bit but the sign
+        at_least = -(-fp32_bits >> shift)
+
+        def test(bits):
+            mag = bits & magnitude
+            return (mag >= at_least) & (mag < exponent)  # below the all-ones exponent: finite
+
+        return test
+
+    def _value(self, name: str, bits: int) -> str:
+        """A float's shortest text from its raw bits (as float32 holds it: BF16 exactly)."""
+        shift = _ST_FP32_SHIFT[self.dtype(name)]
+        v = np.array([bits << shift], dtype=np.uint32).view(np.float32)[0]
+        return repr(float(str(v)))
+
+    def first_non_finite(self, name: str) -> tuple[tuple[int, ...], str, int] | None:
+        """(index, "nan" / "inf" / "-inf", how many) of the tensor's first NaN or infinity, or None."""
+        (found,) = self._scan(name, [self._non_finite_test(name)])
+        return None if found is None else self._non_finite(name, found)
+
+    def _non_finite(self, name: str, found: tuple[int, int, int]) -> tuple[tuple[int, ...], str, int]:
+        flat, b, count = found
+        bits_dtype, _, mantissa = _ST_NONFINITE[self.dtype(name)]
         sign = b >> (8 * np.dtype(bits_dtype).itemsize - 1)
         value = "nan" if b & mantissa else ("-inf" if sign else "inf")
-        return tuple(int(i) for i in np.unravel_index(flat, meta["shape"])), value, count
+        return self._index(name, flat), value, count
 
-    def check_finite(self, name: str, quant: str | None) -> None:
-        """NonFiniteWeightError if the tensor holds a NaN or an infinity (`quant`: the format it is
-        quantized to, None for a tensor kept as fp16)."""
-        found = self.first_non_finite(name)
-        if found:
-            raise NonFiniteWeightError(self.entries[name][0], name, *found, quant)
+    def first_over_float16(self, name: str) -> tuple[tuple[int, ...], str, int] | None:
+        """(index, value, how many) of the tensor's first finite value that float16 rounds to an infinity
+        (|v| >= 65520: the tie at 65520 goes to the even neighbour, which is infinity), or None."""
+        if self.dtype(name) not in _ST_FP32_SHIFT:
+            return None
+        (found,) = self._scan(name, [self._magnitude_test(name, _F32_ROUNDS_TO_INF)])
+        return None if found is None else (self._index(name, found[0]), self._value(name, found[1]), found[2])
+
+    def check_values(self, name: str, quant: str | None) -> None:
+        """Refuse a tensor that its conversion cannot hold (`quant`: the format it is quantized to, None for
+        a tensor kept as fp16): NonFiniteWeightError for a NaN or an infinity; Float16RangeError for a value
+        that would become an infinity as float16, or make a quantized weight's float16 scale one."""
+        tests = [self._non_finite_test(name)]
+        if self.dtype(name) in _ST_FP32_SHIFT:
+            tests.append(self._magnitude_test(name, _F32_OVER_FP16_MAX if quant else _F32_ROUNDS_TO_INF))
+        found = self._scan(name, tests)
+        path = self.entries[name][0]
+        if found[0]:
+            raise NonFiniteWeightError(path, name, *self._non_finite(name, found[0]), quant)
+        if len(found) < 2 or found[1] is None:
+            return
+        if quant is None:
+            flat, b, count = found[1]
+            raise Float16RangeError(path, name, self._index(name, flat), self._value(name, b), count, None)
+        self._check_quantizable(name, quant)
+
+    def _check_quantizable(self, name: str, quant: str) -> None:
+        """Float16RangeError when the format cannot quantize the tensor (its float16 scale would overflow),
+        naming the largest magnitude of the first row, and of the first group in it, whose scale does.
+
+        Every shipped format scales row by row (groups within a row, or the whole row), so a row, and a
+        group of `group_size` inputs in it, quantize on their own as they do inside the tensor."""
+        fmt = get_format(quant)
+        w = self.read(name)
+        try:
+            fmt.quantize(w)
+            return
+        except ValueError as e:
+            reason = str(e)
+        mags = np.abs(w)
+        row_max = mags.max(axis=1)
+        row = next((int(r) for r in np.flatnonzero(row_max > FLOAT16_MAX) if _refuses(fmt, w[r:r + 1])),
+                   int(np.argmax(row_max)))
+        size = getattr(fmt, "group_size", None) or w.shape[1]
+        start = next((g for g in range(0, w.shape[1], size) if _refuses(fmt, w[row:row + 1, g:g + size])), None)
+        if start is None:  # no group alone overflows: name the row's largest magnitude
+            start, size = 0, w.shape[1]
+        col = start + int(np.argmax(mags[row, start:start + size]))
+        raise Float16RangeError(self.entries[name][0], name, (row, col), repr(float(str(w[row, col]))), 1, quant,
+                                reason)
+
+
+def _refuses(fmt, part: np.ndarray) -> bool:
+    """Whether the format refuses to quantize `part` (a row, or a group of one) on its own."""
+    try:
+        fmt.quantize(np.ascontiguousarray(part))
+    except ValueError:
+        return True
+    return False
 
 
 def _check_entry(path: Path, key: str, meta, data_size: int) -> None:
@@ -378,7 +497,10 @@ def convert(hf_dir, out_path, quant: str = DEFAULT_FORMAT, progress=None) -> Qwe
             def produce(suffix, base=base, cache=cache):
                 # One quantize per linear serves both of its tensors; drop it once both are written.
                 if base not in cache:
-                    cache[base] = fmt.quantize(st.read(base + ".weight"))
+                    try:
+                        cache[base] = fmt.quantize(st.read(base + ".weight"))
+                    except ValueError as e:  # check_values refused what it foresaw; anything else, typed
+                        raise CheckpointError(f"{st.entries[base + '.weight'][0]}: tensor {base}.weight: {e}") from None
                 t = cache[base].pop(suffix.lstrip("."))
                 if not cache[base]:
                     del cache[base]
@@ -393,7 +515,7 @@ def convert(hf_dir, out_path, quant: str = DEFAULT_FORMAT, progress=None) -> Qwe
         raise OutputPathError(out_path, "is one of the checkpoint's own files; write the model elsewhere")
     files = {"tokenizer.json": read_tokenizer(tok)} if tok.exists() else {}
     for name, fmt_name in scan:  # before the temporary file: a broken checkpoint leaves nothing behind
-        st.check_finite(name, fmt_name)
+        st.check_values(name, fmt_name)
     write_model(out_path, config.to_hf_dict(), quant, pending, files=files, progress=progress)
     return config
 

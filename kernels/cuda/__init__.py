@@ -23,11 +23,17 @@ a block, each K/V page staged once per tile).
 
 Every launch goes to CuPy's current stream, and nothing in a T = 1 op allocates memory once its scratch
 exists, so the decode step can be captured as a CUDA graph (engine/cuda_graph.py).
+
+The kernels are compiled for one architecture (loader.OPTIONS: sm_90, Hopper), so a GPU of another
+compute capability cannot run them: `is_available` says so in one line, naming the GPU, and the
+constructor refuses such a device with `BackendUnavailableError` before it compiles anything.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
+import re
 
 import numpy as np
 
@@ -91,6 +97,49 @@ def _device_name(device: int) -> str:
     return name.decode() if isinstance(name, bytes) else str(name)
 
 
+def _built_for(options=loader.OPTIONS) -> tuple[int, int, bool]:
+    """(major, minor, arch-specific) of the one architecture the loader compiles for: `sm_90` is (9, 0,
+    False); `sm_90a` would be (9, 0, True)."""
+    found = re.findall(r"\bsm_(\d+)(\d)(a?)\b", " ".join(options))
+    if len(found) != 1:
+        raise RuntimeError(f"kernels/cuda/loader.py: OPTIONS {options} should name exactly one sm_NN architecture")
+    major, minor, specific = found[0]
+    return int(major), int(minor), specific == "a"
+
+
+ARCH = _built_for()
+_FAMILIES = {9: "Hopper"}  # the architecture's name, for the one line that refuses another GPU
+
+
+def arch_name(arch: tuple[int, int, bool] = ARCH) -> str:
+    """`sm_90 (Hopper)`: the architecture the kernels are built for, in words."""
+    major, minor, specific = arch
+    family = _FAMILIES.get(major)
+    return f"sm_{major}{minor}{'a' if specific else ''}" + (f" ({family})" if family else "")
+
+
+def runs_on(capability: str, arch: tuple[int, int, bool] = ARCH) -> bool:
+    """Whether a device of compute capability `capability` (CuPy's spelling: "90" for 9.0, "120" for 12.0)
+    runs code compiled for `arch`. A cubin for sm_XY runs on X.Z with Z >= Y (binary compatibility holds
+    within a major version only); an arch-specific one (sm_90a) on X.Y alone."""
+    major, minor = int(capability[:-1]), int(capability[-1])
+    want_major, want_minor, specific = arch
+    return major == want_major and (minor == want_minor if specific else minor >= want_minor)
+
+
+def device_refusal(device: int) -> str | None:
+    """Why GPU `device` cannot run the kernels, in one line, or None when it can."""
+    try:
+        capability = str(cp.cuda.Device(device).compute_capability)
+        name = _device_name(device)
+    except Exception as e:  # CUDARuntimeError: the device cannot be queried
+        return f"GPU {device} cannot be queried ({type(e).__name__}: {e})"
+    if runs_on(capability):
+        return None
+    return (f"GPU {device} ({name}) is compute capability {capability[:-1]}.{capability[-1]}; "
+            f"the CUDA kernels are built for {arch_name()} only")
+
+
 class CudaBackend(Backend):
     name = "cuda"
     formats = tuple(LINEARS)
@@ -100,13 +149,32 @@ class CudaBackend(Backend):
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
+        """(True, GPU 0's name) when CuPy sees a GPU and every visible GPU runs the kernels, else (False, the
+        reason in one line).
+
+        Every visible GPU must be of the architecture the kernels are built for (`ARCH`), not just one:
+        the test workers take GPU N modulo the GPU count (`worker_options`), so a run on a machine with one
+        GPU of another kind would fail deep inside a kernel launch on the workers that drew it. The reason
+        names the first GPU that cannot run them and, when others can, the CUDA_VISIBLE_DEVICES that keeps
+        only those."""
         try:
             n = cp.cuda.runtime.getDeviceCount()
         except Exception as e:  # CUDARuntimeError: no driver, no device
             return False, f"CuPy sees no CUDA device ({type(e).__name__}: {e})"
         if n == 0:
             return False, "CuPy sees no CUDA device"
-        return True, _device_name(0)
+        refusals = {i: device_refusal(i) for i in range(n)}
+        bad = [i for i, why in refusals.items() if why]
+        if not bad:
+            return True, _device_name(0)
+        why = refusals[bad[0]]
+        good = [i for i in range(n) if i not in bad]
+        if good:
+            # device i is the i-th entry of an existing CUDA_VISIBLE_DEVICES, not physical GPU i
+            shown = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+            ids = [shown[i] for i in good] if len(shown) == n else [str(i) for i in good]
+            why += f", and every visible GPU must run them (CUDA_VISIBLE_DEVICES={','.join(ids)} keeps those that can)"
+        return False, why
 
     @classmethod
     def warm_up(cls) -> None:
@@ -157,6 +225,10 @@ class CudaBackend(Backend):
             raise BackendUnavailableError(f"backend 'cuda' sees no CUDA device: {e}") from None
         if n == 0:
             raise BackendUnavailableError("backend 'cuda' sees no CUDA device")
+        # the device this object runs on must run the kernels; refused here, before any compile or launch
+        why = device_refusal(cp.cuda.Device().id if device is None else device)
+        if why:
+            raise BackendUnavailableError(f"backend 'cuda' cannot run here: {why}")
         if device is not None:
             cp.cuda.Device(device).use()
         # decode attention: KV pages per block (split-K); None spreads the used pages over att_blocks

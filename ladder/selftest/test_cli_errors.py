@@ -9,7 +9,9 @@ temporary folder, as a user does (skipped, with the reason, where it is not inst
 
 A broken checkpoint (a NaN or an infinity in a weight, a tokenizer.json the tokenizers library refuses)
 is refused by `convert` and by `ladder --model HF_DIR` alike, before anything is written: one line
-naming the file and the problem, and no output or temporary file left behind.
+naming the file and the problem, and no output or temporary file left behind. So is an fp32 value that
+float16 cannot hold where the file stores float16: in a tensor kept fp16, or in a quantized weight whose
+fp16 scale it would overflow.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import numpy as np
 import pytest
 
 from engine.config import SHAPES
-from engine.convert import CheckpointError, CheckpointTokenizerError, NonFiniteWeightError, SafetensorsFolder, convert
+from engine.convert import (CheckpointError, CheckpointTokenizerError, Float16RangeError, NonFiniteWeightError,
+                            SafetensorsFolder, convert)
 from engine.formats import FORMAT_MODULES
 from fixtures.tiny_model import build_random_model, random_model_dir, random_model_file
 from engine.cli import main as cli_main
@@ -349,3 +352,89 @@ def test_the_prefill_gemm_bench_refuses_bad_input_in_one_line(argv, names):
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1, (res.returncode, res.stderr[-1000:])
     assert lines[0].startswith("bench.prefill_gemm: error:") and names in lines[0]
+
+
+# --- fp32 values past float16's range, where the file stores float16 -------------------------------
+
+
+@pytest.fixture(scope="module")
+def fp32_hf(paths):
+    """The seeded checkpoint saved in fp32, whose values may lie past float16's range."""
+    return build_random_model(paths / "hf32", SMALL, seed=5, dtype=np.float32, with_tokenizer=False)
+
+
+@pytest.fixture
+def broken32(fp32_hf, tmp_path):
+    """A private copy of the fp32 checkpoint, free to break."""
+    return Path(shutil.copytree(fp32_hf, tmp_path / "hf"))
+
+
+def plant_f32(folder: Path, tensor: str, index: tuple[int, ...], value: float) -> None:
+    """Overwrite one element of an fp32 tensor in the folder's model.safetensors with `value`."""
+    path = folder / "model.safetensors"
+    raw = bytearray(path.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    meta = json.loads(raw[8: 8 + n])[tensor]
+    assert meta["dtype"] == "F32"
+    at = 8 + n + meta["data_offsets"][0] + 4 * int(np.ravel_multi_index(index, meta["shape"]))
+    raw[at: at + 4] = struct.pack("<f", value)
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("command", ["convert", "ladder"])
+@pytest.mark.parametrize("tensor,index,value,shown,becomes", [
+    ("model.embed_tokens.weight", (511, 3), 70000.0, "70000.0", "inf"),
+    ("model.norm.weight", (5,), -65520.0, "-65520.0", "-inf"),  # the first value float16 rounds to -inf
+    ("model.layers.1.self_attn.v_proj.bias", (0,), 1e30, "1e+30", "inf"),
+    ("lm_head.weight", (7, 255), 3e38, "3e+38", "inf"),
+])
+def test_an_fp32_value_past_float16s_range_in_a_tensor_kept_fp16_is_one_line_naming_it(broken32, capsys, monkeypatch,
+                                                                                     command, tensor, index, value,
+                                                                                     shown, becomes):
+    plant_f32(broken32, tensor, index, value)
+    err = refuse(commands(broken32, "int4_sym_g128")[command], broken32, capsys, monkeypatch)
+    assert (f"{broken32 / 'model.safetensors'}: tensor {tensor} holds {shown} at index {index}; the tensor is stored "
+            f"as float16, whose largest finite value is 65504, so it would become {becomes}\n") in err
+
+
+@pytest.mark.parametrize("quant,value,shown,why", [
+    ("int4_sym_g128", 1e6, "1000000.0", "a group's max |w| / 7 overflows fp16"),
+    ("int4_asym_g128", 1e6, "1000000.0", "a group's (max - min) / 15 overflows fp16"),
+    ("int8_sym_channel", 1e7, "10000000.0", "a row's max |w| / 127 overflows fp16"),
+    ("fp8_e4m3_channel", 1e8, "100000000.0", "a row's max |w| / 448 overflows fp16"),
+])
+def test_an_fp32_weight_whose_fp16_scale_would_overflow_is_one_line_naming_it(broken32, capsys, monkeypatch, quant,
+                                                                             value, shown, why):
+    """Large weights only make a large scale, until the scale itself is past float16's range."""
+    plant_f32(broken32, LAST_LINEAR, (200, 700), value)
+    err = refuse(commands(broken32, quant)["convert"], broken32, capsys, monkeypatch)
+    assert (f"{broken32 / 'model.safetensors'}: tensor {LAST_LINEAR} holds {shown} at index (200, 700); {quant} "
+            f"stores its scales as float16, whose largest finite value is 65504: {why}") in err
+
+
+def test_fp32_values_up_to_float16s_largest_convert(broken32, tmp_path):
+    """65504 is float16's largest finite value: kept as it is; below 65520 float16 rounds to it, not to
+    inf; a quantized weight as large as its format's fp16 scale allows converts too."""
+    from engine.modelfile import ModelFile
+
+    plant_f32(broken32, "model.embed_tokens.weight", (511, 3), 65504.0)
+    plant_f32(broken32, "model.norm.weight", (5,), -65504.0)
+    plant_f32(broken32, "lm_head.weight", (7, 255), 65519.0)
+    plant_f32(broken32, LAST_LINEAR, (200, 700), 65504.0 * 7)  # int4_sym_g128's scale: exactly 65504
+    convert(broken32, tmp_path / "m.nanoqwen")
+    mf = ModelFile(tmp_path / "m.nanoqwen")
+    assert mf.tensor("model.embed_tokens.weight")[511, 3] == 65504
+    assert mf.tensor("model.norm.weight")[5] == -65504
+    assert mf.tensor("lm_head.weight")[7, 255] == 65504
+    assert mf.tensor(LAST_LINEAR.replace(".weight", ".scales"))[200, 700 // 128] == 65504
+
+
+def test_a_float16_range_error_carries_its_parts(broken32, tmp_path):
+    plant_f32(broken32, "model.norm.weight", (9,), 1e5)
+    plant_f32(broken32, "model.norm.weight", (20,), -1e9)
+    with pytest.raises(Float16RangeError) as e:
+        convert(broken32, tmp_path / "m.nanoqwen", "int8_sym_channel")
+    assert isinstance(e.value, CheckpointError) and "the first of 2 values out of float16's range" in str(e.value)
+    assert (e.value.tensor, e.value.index, e.value.value, e.value.count, e.value.quant) == (
+        "model.norm.weight", (9,), "100000.0", 2, None)
+    assert not (tmp_path / "m.nanoqwen").exists() and list(tmp_path.glob(".*")) == []

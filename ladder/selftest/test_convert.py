@@ -3,8 +3,9 @@
 Refused before any work: an output path that cannot be written, an input that cannot be read, and a
 checkpoint whose config values or safetensors entries or index have the wrong type (a typed error
 naming the file and the key, and no tensor read). Refused before anything is written: a NaN or an
-infinity in a tensor, and a tokenizer.json the tokenizers library refuses (the commands' view of both:
-test_cli_errors.py). Interrupted conversions: test_convert_litter.py.
+infinity in a tensor, a value float16 cannot hold where the file stores float16, and a tokenizer.json
+the tokenizers library refuses (the commands' view of all three: test_cli_errors.py). Interrupted
+conversions: test_convert_litter.py.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pytest
 
 import engine
 from engine.config import SHAPES
-from engine.convert import CheckpointError, SafetensorsFolder, convert
+from engine.convert import CheckpointError, Float16RangeError, SafetensorsFolder, convert
 from engine.errors import ConfigError, NanoqwenError, OutputPathError
 from engine.formats import get_format
 from engine.modelfile import ModelFile
@@ -404,6 +405,50 @@ def test_the_finiteness_scan_finds_nan_and_inf_by_their_bits(tmp_path, monkeypat
     (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + data)
     st = SafetensorsFolder(tmp_path)
     assert st.first_non_finite("bad") == ((1, 4), value, 2) and st.first_non_finite("clean") is None
+
+
+def one_tensor_file(folder: Path, dtype: str, w: np.ndarray) -> SafetensorsFolder:
+    """A folder whose model.safetensors holds `w`'s raw bits as tensor "w" of safetensors dtype `dtype`."""
+    header = json.dumps({"w": {"dtype": dtype, "shape": list(w.shape), "data_offsets": [0, w.nbytes]}}).encode()
+    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + w.tobytes())
+    return SafetensorsFolder(folder)
+
+
+@pytest.mark.parametrize("dtype,bits,value", [
+    ("F32", 0x477FF000, "65520.0"), ("F32", 0xC7800000, "-65536.0"), ("F32", 0x7F7FFFFF, "3.4028235e+38"),
+    ("BF16", 0x4780, "65536.0"), ("BF16", 0xFF7F, "-3.3895314e+38"),
+])
+@pytest.mark.parametrize("chunk", [64 << 20, 8], ids=["one-read", "8-byte-reads"])
+def test_the_float16_range_scan_finds_the_values_float16_rounds_to_infinity(tmp_path, monkeypatch, dtype, bits,
+                                                                            value, chunk):
+    """The largest values that round to 65504 (65519.996 in fp32, 65280 in bf16) and the non-finite
+    ones are not counted; the first value from 65520 up is, with its index, value and how many."""
+    monkeypatch.setattr("engine.convert._SCAN_CHUNK", chunk)
+    code = "<u4" if dtype == "F32" else "<u2"
+    below = {"F32": 0xC77FEFFF, "BF16": 0x477F}[dtype]  # -65519.996 / 65280: float16 rounds them to 65504
+    w = np.full((3, 5), below, dtype=code)
+    w[0, 1] = {"F32": 0x7F800000, "BF16": 0xFF80}[dtype]  # an infinity: the finiteness scan's, not this one's
+    assert one_tensor_file(tmp_path, dtype, w).first_over_float16("w") is None
+    w[2, 3] = w[1, 4] = bits
+    assert one_tensor_file(tmp_path, dtype, w).first_over_float16("w") == ((1, 4), value, 2)
+
+
+def test_a_float16_tensor_is_never_past_float16s_range(tmp_path):
+    w = np.full((2, 3), 0x7BFF, dtype="<u2")  # 65504
+    assert one_tensor_file(tmp_path, "F16", w).first_over_float16("w") is None
+
+
+def test_a_quantized_group_whose_range_overflows_its_scale_is_refused_naming_its_largest_value(tmp_path):
+    """int4_asym_g128's scale is (max - min) / 15: two values that each fit alone overflow it together,
+    and the error names the larger of the group that overflows (not merely the tensor's largest)."""
+    w = np.zeros((4, 256), dtype=np.float32)
+    w[1, 10] = 600_000.0  # group 0 of row 1: (600000 - 0) / 15 = 40000 fits
+    w[2, 130], w[2, 140] = 500_000.0, -520_000.0  # group 1 of row 2: 1020000 / 15 = 68000 does not
+    st = one_tensor_file(tmp_path, "F32", w)
+    with pytest.raises(Float16RangeError) as e:
+        st.check_values("w", "int4_asym_g128")
+    assert (e.value.index, e.value.value, e.value.quant) == ((2, 140), "-520000.0", "int4_asym_g128")
+    assert "a group's (max - min) / 15 overflows fp16" in str(e.value)
 
 
 def test_random_damage_to_a_safetensors_header_converts_or_is_a_typed_error(small_dir, tmp_path):
