@@ -5,7 +5,9 @@
 ladder/tolerances.py). NaN anywhere in `out` fails (outputs start sentinel-filled with NaN, so an
 element never written fails too). A failure prints the relative L2 error, the max abs error and where,
 the first few `(out, ref)` pairs, the shape, the case and its seed, and the command that reruns it.
-Every check is recorded (op, backend, error as a multiple of the floor) for the end-of-run table.
+Every check is recorded (op, backend, error as a multiple of the floor, the bound) for the end-of-run
+table; the record's "format" is filled in by the plugin from the case's `quant_name` (None for a case
+that runs in no format), since a check does not know which format made its weights.
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ def assert_close(op: str, out, ref, plain=None, *, dtype=None, backend: str = "?
                              f"or read past the valid length?), shape {out.shape}\nrerun: {rerun_command()}")
     m = measure(out, ref, plain, key)
     stats, floor, bound, multiple = m, m["floor"], m["bound"], m["multiple"]
-    record = {"op": op, "backend": backend, "case": case, "seed": seed, "max_abs": m["max_abs"],
+    record = {"op": op, "backend": backend, "format": None, "case": case, "seed": seed, "max_abs": m["max_abs"],
               "rel_l2": m["rel_l2"], "floor": floor, "multiple": multiple, "bound": bound, "passed": m["passed"]}
     RECORDS.append(record)
     if not record["passed"]:
@@ -98,7 +100,8 @@ def assert_equal(op: str, out, ref, *, backend: str = "?", case: str = "", seed:
     __tracebackhide__ = True
     out, ref = np.asarray(out), np.asarray(ref)
     ok = out.shape == ref.shape and np.array_equal(out, ref)
-    RECORDS.append({"op": op, "backend": backend, "case": case, "seed": seed, "max_abs": 0.0 if ok else float("inf"),
+    RECORDS.append({"op": op, "backend": backend, "format": None, "case": case, "seed": seed,
+                    "max_abs": 0.0 if ok else float("inf"),
                     "rel_l2": 0.0, "floor": 0.0, "multiple": 0.0 if ok else float("inf"), "bound": 0.0, "passed": ok})
     if not ok:
         bad = np.argwhere(out != ref)[:5].tolist() if out.shape == ref.shape else "shape"

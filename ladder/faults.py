@@ -1,11 +1,12 @@
 """The catalogue of planted faults: proof that the ladder catches the bugs kernel engineers write.
 
-Each fault is minimal (one wrong position, not a wrecked tensor) and is installed only through
-`pytest --plant-fault NAME[@LAYER]`, by wrapping one op of the Backend object. `@LAYER` limits it to
-one layer's blocks (read from `engine.block.CURRENT_LAYER`); ops called outside a block (the unit
-rung) are always affected. `ladder/selftest/test_faults.py` runs real rungs with each fault in a
-subprocess and asserts they go red and name the op: a rung that stays green under its fault is a bug
-in the rung.
+Each fault is minimal (one wrong position, not a wrecked tensor) and is installed only through `pytest
+--plant-fault NAME[@LAYER][:FORMAT]`, by wrapping one op of the Backend object. `@LAYER` limits it to
+one layer's blocks (read from `engine.block.CURRENT_LAYER`); ops called outside a block (the unit rung)
+are always affected. `:FORMAT` limits a fault that reads quantized weights (`per_format`) to the weights
+of that format, so a red run in one format only can be rehearsed: the other formats stay green.
+`ladder/selftest/test_faults.py` runs real rungs with each fault in a subprocess and asserts they go red
+and name the op: a rung that stays green under its fault is a bug in the rung.
 
 The wrappers work on any backend and any format: they change an op's inputs (a quantized weight's
 through its format's own `swap_pair` / `shift_scale`), or, for fp16 accumulation, recompute the op's
@@ -20,7 +21,7 @@ from typing import Callable
 import numpy as np
 
 from engine.block import CURRENT_LAYER
-from engine.formats import get_format
+from engine.formats import FORMATS, get_format
 from kernels import QuantizedWeight
 
 
@@ -29,7 +30,7 @@ class Fault:
     name: str
     ops: tuple[str, ...]  # the ops it wraps (the failure must name one of them, or an op they feed)
     describes: str
-    install: Callable  # install(backend, active: Callable[[], bool]) -> None
+    install: Callable  # install(backend, active: Callable[[], bool]); per_format: also in_format: Callable[[str], bool]
     rung: str  # the cheapest rung that must catch it, as pytest arguments
     names: tuple[str, ...]  # what the failure message must mention
     per_format: bool = False  # it reads quantized weights: every format's kernels must catch it
@@ -80,24 +81,30 @@ def _stale_page_read(backend, active):
 # --- the unpack of a quantized weight (any format, through its own definition) -------------------
 
 
-def _retensor(backend, original_prepare, edit_name: str):
-    """prepare_linear that hands the backend the tensors as the format's `edit_name` edit misreads them."""
+def _every_format(fmt: str) -> bool:
+    return True
+
+
+def _retensor(backend, original_prepare, edit_name: str, in_format=_every_format):
+    """prepare_linear that hands the backend the tensors as the format's `edit_name` edit misreads them
+    (the weights of the formats `in_format` accepts; the others as they are)."""
     def prepare(fmt, tensors, out_features, in_features):
-        tensors = getattr(get_format(fmt), edit_name)(tensors)
+        if in_format(fmt):
+            tensors = getattr(get_format(fmt), edit_name)(tensors)
         return original_prepare(fmt, tensors, out_features, in_features)
     return prepare
 
 
-def _nibble_swap(backend, active):
+def _nibble_swap(backend, active, in_format=_every_format):
     """The unpack swaps elements 0 and 1 of every row (INT4: nibbles 0 and 4 of the first word;
     the format's `swap_pair`)."""
-    _wrap(backend, "prepare_linear", lambda original: _retensor(backend, original, "swap_pair"))
+    _wrap(backend, "prepare_linear", lambda original: _retensor(backend, original, "swap_pair", in_format))
 
 
-def _wrong_group_scale(backend, active):
+def _wrong_group_scale(backend, active, in_format=_every_format):
     """The last group of every row uses the scale of the group before it (per-row formats: the last row
     uses its neighbour's; the format's `shift_scale`)."""
-    _wrap(backend, "prepare_linear", lambda original: _retensor(backend, original, "shift_scale"))
+    _wrap(backend, "prepare_linear", lambda original: _retensor(backend, original, "shift_scale", in_format))
 
 
 # --- projections, RoPE ---------------------------------------------------------------------------
@@ -129,14 +136,15 @@ def _wrong_rope_theta(backend, active):
     _wrap(backend, "rope_kv_write", make)
 
 
-def _fp16_accumulation(backend, active):
+def _fp16_accumulation(backend, active, in_format=_every_format):
     """down_residual accumulates its dot products in fp16 (sequentially over 128-wide groups)."""
     hosts: dict[int, tuple] = {}
 
     def prepare_make(original):
         def prepare(fmt, tensors, out_features, in_features):
             w = original(fmt, tensors, out_features, in_features)
-            hosts[id(w)] = (w, {k: np.array(v, copy=True) for k, v in tensors.items()})
+            if in_format(fmt):  # a weight it does not keep runs the real op
+                hosts[id(w)] = (w, {k: np.array(v, copy=True) for k, v in tensors.items()})
             return w
         return prepare
 
@@ -177,24 +185,40 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
 )}
 
 
-def parse(spec: str) -> tuple[Fault, int | None]:
-    """`NAME[@LAYER]` -> (Fault, layer or None)."""
-    name, _, layer = spec.partition("@")
+def parse(spec: str) -> tuple[Fault, int | None, str | None]:
+    """`NAME[@LAYER][:FORMAT]` -> (Fault, layer or None, format or None). A bad spec is a ValueError of
+    one line: an unknown fault or format, a layer that is not a number, a format on a fault that reads no
+    quantized weight (it would change nothing in any format but run as if it did)."""
+    head, colon, fmt = spec.partition(":")
+    name, _, layer = head.partition("@")
     if name not in FAULTS:
         raise ValueError(f"unknown fault {name!r}; the catalogue: {', '.join(sorted(FAULTS))}")
     try:
-        return FAULTS[name], (int(layer) if layer else None)
+        at = int(layer) if layer else None
     except ValueError:
         raise ValueError(f"--plant-fault {spec!r}: the part after @ must be a layer number") from None
+    if not colon:
+        return FAULTS[name], at, None
+    fault = FAULTS[name]
+    if not fault.per_format:
+        takes = ", ".join(sorted(n for n, f in FAULTS.items() if f.per_format))
+        raise ValueError(f"fault {name!r} in {spec!r} reads no quantized weight, so it takes no :FORMAT "
+                         f"(the faults that do: {takes})")
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r} in {spec!r}; the formats: {', '.join(sorted(FORMATS))}")
+    return fault, at, fmt
 
 
 def plant(backend, spec: str) -> Fault:
     """Install the fault on this Backend object (instance attributes shadow the class's ops)."""
-    fault, layer = parse(spec)
+    fault, layer, fmt = parse(spec)
 
     def active() -> bool:
         current = CURRENT_LAYER.get()
         return layer is None or current is None or current == layer
 
-    fault.install(backend, active)
+    if fault.per_format:
+        fault.install(backend, active, (lambda f: True) if fmt is None else (lambda f: f == fmt))
+    else:
+        fault.install(backend, active)
     return fault

@@ -299,7 +299,6 @@ def pytest_collection_modifyitems(config, items):
             config.hook.pytest_deselected(items=dropped)
         items[:] = kept
     formats = selected_formats(config)
-    grouped = config.pluginmanager.hasplugin("xdist")  # its marker exists only where it is loaded
     for item in items:
         rung = _rung_of(item)
         if rung:
@@ -391,16 +390,24 @@ def model_path(request, quant_name) -> Path:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """A format without a kernel on the backend under test fails its tests (never passes, never skips)
-    and is counted as unsupported, by backend and format, in the summary and the ladder JSON."""
+    and is counted as unsupported, by backend and format, in the summary and the ladder JSON.
+
+    Every report of a case carries its backend and format (`nanoqwen_case`, added before the setup
+    report is made): the summary names them beside a failure, and counts what ran, from the item's own
+    parameters rather than from its node id's text."""
+    from ladder.summary import case_params
+
+    if call.when == "setup":
+        item.user_properties.append(("nanoqwen_case", case_params(item)))
     outcome = yield
     report = outcome.get_result()
     if call.excinfo is not None and report.failed:
         from kernels.base import FormatNotSupportedError
 
         if call.excinfo.errisinstance(FormatNotSupportedError):
-            params = getattr(item, "callspec", None) and item.callspec.params
-            backend = (params or {}).get("backend_name", "?")
-            fmt = (params or {}).get("quant_name", "?")
+            params = case_params(item)
+            backend = params["backend"] or "?"
+            fmt = params["format"] or "?"
             item.user_properties.append(("nanoqwen_unsupported", {"backend": backend, "format": fmt}))  # the teardown report carries it
             report.longrepr = f"UNSUPPORTED: {call.excinfo.value} (a format without a kernel fails; docs/ADDING_A_FORMAT.md)"
 
@@ -408,12 +415,14 @@ def pytest_runtest_makereport(item, call):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
     from ladder import compare
+    from ladder.summary import case_params
 
     start = len(compare.RECORDS)
     _CALLS.clear()
     yield
+    fmt = case_params(item)["format"]  # a check does not know its weights' format; its case does
     for rec in compare.RECORDS[start:]:
-        item.user_properties.append(("nanoqwen_check", rec))
+        item.user_properties.append(("nanoqwen_check", {**rec, "format": rec.get("format") or fmt}))
     del compare.RECORDS[start:]
     if _CALLS:
         backend = getattr(item, "callspec", None) and item.callspec.params.get("backend_name")

@@ -14,19 +14,35 @@ pyproject.toml) changes it: the project's settings travel on its command line an
                     [--new-tokens N] [--skip-determinism] [--shard I/N] [--changed REV] [--record-launches]
                     [-n WORKERS] [-- EXTRA PYTEST ARGS]
     nanoqwen ladder merge REPORT... [--report DIR] [--baseline DIR] [--coverage]
+
+Exit status (`nanoqwen ladder` and `ladder merge` alike), so that a broken run never reads as a regression:
+
+    0  green
+    1  a rung is red: tests failed, or the report's judgement (a --baseline regression, --coverage, the
+       graph rung's near-tie flip rule)
+    2  bad input, refused before any rung runs (one line, `nanoqwen: error: ...`)
+    3  the harness broke, not a kernel: a rung's pytest ended in a usage error (pytest exit 4), an internal
+       error (3), a collection error or an interruption (2), or collected no test (5); one line on stderr
+       names the rung and pytest's first error line where it can be read. It stops the ladder at once, even
+       under --keep-going (the later rungs would break the same way), and wins over red. A shard or a
+       --changed run whose rung holds no test of it is green for that rung; `ladder merge` exits 3 when
+       a shard's rung broke, or a rung is empty in every shard.
 """
 
 from __future__ import annotations
 
+import codecs
 import datetime
 import json
 import os
+import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
-from engine.errors import NanoqwenError
+from engine.errors import NanoqwenError, one_line
 from engine.cli import int_at_least
 
 RUNGS = ("unit", "layer", "graph")
@@ -105,8 +121,98 @@ def check_required_backends(args) -> None:
         raise LadderArgumentError(why)
 
 
+# The command's exit statuses (the module docstring says what each means).
+GREEN, RED, BAD_INPUT, HARNESS_BROKE = 0, 1, 2, 3
+# pytest's exit statuses that mean its run judged nothing: the harness broke, not a kernel.
+PYTEST_BROKE = {2: "collection error or interruption", 3: "internal error", 4: "usage error"}
+NO_TEST = 5  # pytest's "no tests collected"
+# pytest's own error lines on stderr: `ERROR: file or directory not found: x`, argparse's
+# `__main__.py: error: unrecognized arguments: --x` (`python -m pytest: error: ...` since Python 3.12),
+# the plugin's `nanoqwen: error: ...`
+_ERROR_LINE = re.compile(r"^(?:ERROR: |[^\s:][^:]{0,60}: error: )(.+)")
+
+
+def run_rung(cmd: list[str], env: dict) -> tuple[int, str | None]:
+    """Run one rung's pytest: (its exit status, its first error line on stderr, or None).
+
+    stdout stays the rung's own (a terminal stays a terminal: colours, progress dots). stderr passes
+    through a pipe chunk by chunk, to this process's stderr as it comes, so the user sees it live and a
+    usage error's reason (`unrecognized arguments: --x`) can be named in the harness line."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE)
+    kept = bytearray()
+
+    def pump() -> None:
+        decode = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        while chunk := proc.stderr.read1(65536):
+            if len(kept) < 65536:  # the error lines come first; a long run's later stderr need not be kept
+                kept.extend(chunk)
+            sys.stderr.write(decode.decode(chunk))
+            sys.stderr.flush()
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        code = proc.wait()
+    except BaseException:  # Ctrl-C: as subprocess.call, stop the rung before passing it on
+        proc.kill()
+        proc.wait()
+        raise
+    # A process the rung left behind may hold the pipe open; the status is known, so wait only briefly.
+    reader.join(timeout=5)
+    text = bytes(kept).decode(errors="replace")
+    for line in text.splitlines():
+        m = _ERROR_LINE.match(line.strip())
+        if m and not m.group(1).startswith("usage:"):  # argparse's usage line comes before its reason
+            return code, m.group(1).strip()
+    return code, None
+
+
+def collection_error(junit: Path) -> str | None:
+    """The first collection error of a rung's JUnit file: the exception's last line and where, or None.
+
+    pytest prints its collection errors on stdout, which is left to the terminal; the JUnit file holds
+    them too."""
+    import xml.etree.ElementTree as ET
+
+    try:
+        root = ET.parse(junit).getroot()
+    except (OSError, ET.ParseError):
+        return None
+    for case in root.iter("testcase"):
+        err = case.find("error")
+        if err is None or err.get("message") != "collection failure":
+            continue
+        lines = [line[1:].strip() for line in (err.text or "").splitlines() if line.startswith("E ")]
+        where = ".".join(p for p in (case.get("classname"), case.get("name")) if p)
+        return (lines[-1] if lines else "collection failure") + (f" (collecting {where})" if where else "")
+    return None
+
+
+def harness_line(where: str, what: str, detail: str | None = None, tail: str = " (pytest's own error is above)") -> str:
+    """The one stderr line of a harness break (exit 3): where, what, and pytest's first error line (or `tail`)."""
+    return (f"nanoqwen: {where}: {what}: the harness broke, not a kernel; nothing was judged"
+            + (f"; pytest: {one_line(detail)}" if detail else tail))
+
+
+def broken_shard(folders: list[str]) -> str | None:
+    """The harness line of the first shard report whose rung's pytest judged nothing (exit 3 of `ladder
+    merge`), or None. A folder without a readable report is left to merge_reports to refuse (exit 2)."""
+    for folder in folders:
+        try:
+            rungs = json.loads((Path(folder).expanduser() / "report.json").read_text())["rungs"]
+            exits = [(rung, r.get("exit")) for rung, r in rungs.items()]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+        for rung, code in exits:
+            if code in PYTEST_BROKE or code == NO_TEST:
+                what = f"pytest {PYTEST_BROKE[code]}" if code in PYTEST_BROKE else "collected no test"
+                return harness_line(f"ladder merge: {folder}: rung {rung}", f"{what} (pytest exit {code})",
+                                    tail=" (that shard's run said why)")
+    return None
+
+
 def cmd_ladder(args) -> int:
-    """Run the rungs in order; stop at the first red one unless --keep-going."""
+    """Run the rungs in order; stop at the first red one unless --keep-going, at a broken one always."""
     from ladder import report as ladder_report
     from engine.resolve import resolve_model
 
@@ -182,24 +288,33 @@ def cmd_ladder(args) -> int:
     env = rung_environment()
     results, started = {}, datetime.datetime.now().isoformat(timespec="seconds")
     failed = False
+    broke = None  # the harness line (exit 3) once a rung's pytest judged nothing
     for i, rung in enumerate(rungs, 1):
         print(f"[{i}/{len(rungs)}] rung {rung}", flush=True)
         rung_json = out / f"{rung}.json"
         rung_json.unlink(missing_ok=True)  # a stale file from an earlier run must not count as this one
         t0 = time.perf_counter()
-        code = subprocess.call(rung_command(rung, out, args, extra), cwd=ROOT, env=env)
+        code, error_line = run_rung(rung_command(rung, out, args, extra), env)
         data = json.loads(rung_json.read_text()) if rung_json.exists() else {}
         ran = sum(data.get("rungs", {}).get(rung, {}).values()) if data else 0
-        if args.shard and data and ran == 0 and code in (0, 5):
+        if args.shard and data and ran == 0 and code in (0, NO_TEST):
             code = 0  # this shard holds none of the rung's tests; `ladder merge` fails a rung empty in every shard
-        elif args.changed and data and ran == 0 and code in (0, 5):
+        elif args.changed and data and ran == 0 and code in (0, NO_TEST):
             print(f"nanoqwen: rung {rung}: no case of it launches the code changed since {args.changed}")
             code = 0
-        elif code == 5 or ran == 0:  # pytest's "no tests collected", or a run that wrote no result
-            print(f"nanoqwen: rung {rung} collected no test" + ("" if data else f" (no {rung_json.name} written)"),
-                  file=sys.stderr)
-            code = code or 5
+        elif code in PYTEST_BROKE:  # pytest's collection errors are on stdout; the JUnit file holds them too
+            detail = error_line or (collection_error(out / f"junit-{rung}.xml") if code == 2 else None)
+            broke = harness_line(f"rung {rung}", f"pytest {PYTEST_BROKE[code]} (pytest exit {code})", detail)
+        elif code in (0, NO_TEST) and ran == 0:  # pytest's "no tests collected", or a run that wrote no result
+            what = "collected no test" + ("" if data else f" (no {rung_json.name} written)") + f" (pytest exit {code})"
+            broke = harness_line(f"rung {rung}", what, error_line, tail="")
+            code = NO_TEST
+        elif ran == 0:  # tests failed, or pytest was killed, before any result was written: red, and said so
+            print(f"nanoqwen: rung {rung}: pytest exit {code} and no result written", file=sys.stderr)
         results[rung] = {**data, "exit": code, "seconds": time.perf_counter() - t0}
+        if broke:  # the later rungs would break the same way; not even --keep-going runs them
+            failed = True  # the report must not read as passed
+            break
         if code != 0:
             failed = True
             if not args.keep_going:
@@ -208,13 +323,19 @@ def cmd_ladder(args) -> int:
     if launch_map is not None:
         keep_launches(results, out, launch_map)
     meta = {"model": args.model or "default", "backends": [args.backend or "auto"], "formats": formats, "started": started,
-            "plant_fault": args.plant_fault, "argv": sys.argv[1:], "shard": args.shard, "changed": args.changed}
+            "plant_fault": args.plant_fault, "argv": sys.argv[1:], "shard": args.shard, "changed": args.changed,
+            "model_files": model_files, "baseline": args.baseline,
+            # the commit of the checkout the rungs imported (ROOT), the library versions, the GPU
+            **ladder_report.environment(ROOT)}
     # coverage is judged on a whole ladder: not on a subset of rungs, nor on a shard (its calls are partial)
     rep, failed = ladder_report.conclude(results, meta, out, failed, baseline,
                                          require_coverage=args.coverage and len(rungs) == len(RUNGS) and not args.shard)
     print_table(rep, args.coverage)
     print(f"report: {out}/report.md, report.json, junit-*.xml")
-    return 1 if failed else 0
+    if broke:  # last, where it is seen: a broken harness is not a red rung, whatever the report judged
+        print(broke, file=sys.stderr)
+        return HARNESS_BROKE
+    return RED if failed else GREEN
 
 
 def plan_launches(args, out: Path) -> Path | None:
@@ -295,6 +416,10 @@ def cmd_merge(args, folders: list[str]) -> int:
 
     out = Path(args.report or f"reports/ladder-merged-{datetime.datetime.now():%Y%m%d-%H%M%S}").expanduser().resolve()
     check_output_folder(out)
+    broke = broken_shard(folders)  # before merging: a broken shard may lack the very files a merge needs
+    if broke:
+        print(broke, file=sys.stderr)
+        return HARNESS_BROKE
     try:
         rep, failed = merge_reports(folders, out, baseline=baseline, coverage=args.coverage)
     except ShardError as e:
@@ -302,7 +427,11 @@ def cmd_merge(args, folders: list[str]) -> int:
     print(f"merged {rep['meta']['shards']} report(s): {', '.join(rep['meta']['merged_from'])}")
     print_table(rep, args.coverage)
     print(f"report: {out}/report.md, report.json, junit-*.xml")
-    return 1 if failed else 0
+    empty = [rung for rung, r in rep["rungs"].items() if r.get("exit") == NO_TEST]
+    if empty:  # each shard held none of its tests, which each shard's run took for green
+        print(harness_line(f"ladder merge: rung {empty[0]}", "collected no test in any shard", tail=""), file=sys.stderr)
+        return HARNESS_BROKE
+    return RED if failed else GREEN
 
 
 def print_table(rep: dict, show_coverage: bool) -> None:
@@ -311,17 +440,16 @@ def print_table(rep: dict, show_coverage: bool) -> None:
     for rung, r in rep["rungs"].items():
         print(f"{rung:<7}{r['exit']:>5}{r.get('passed', 0):>8}{r.get('failed', 0):>8}{r.get('skipped', 0):>9}"
               f"{r['seconds']:>9.1f}")
-    worst = {}
-    for o in rep["ops"]:
-        k = (o["backend"], o["op"])
-        if k not in worst or o["multiple"] > worst[k]["multiple"]:
-            worst[k] = o
-    if worst:
-        print(f"\n{'backend':<10}{'op':<22}{'worst / floor':>14}  rung")
-        for (b, op), o in sorted(worst.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
+    from ladder.report import NO_FORMAT, failure_view, op_key
+
+    # one row per (rung, backend, format, op): a format's op that fails must not hide behind another's
+    ops = sorted(rep["ops"], key=lambda o: tuple(str(x) for x in op_key(o)))
+    if ops:
+        print(f"\n{'rung':<7}{'backend':<10}{'format':<18}{'op':<22}{'worst / floor':>14}")
+        for o in ops:
             m = o["multiple"]
-            print(f"{str(b):<10}{op:<22}{'exact' if m == 0 else f'{m:.2f}x':>14}  {o['rung']}"
-                  + ("" if o.get("passed", True) else "  FAILED"))
+            print(f"{o['rung']:<7}{str(o['backend']):<10}{o.get('format') or NO_FORMAT:<18}{o['op']:<22}"
+                  f"{'exact' if m == 0 else f'{m:.2f}x':>14}" + ("" if o.get("passed", True) else "  FAILED"))
     if show_coverage:
         print("\ncoverage (rungs that called each op):")
         for b, ops in rep["coverage"].items():
@@ -329,6 +457,16 @@ def print_table(rep: dict, show_coverage: bool) -> None:
                 print(f"  {b:<8}{op:<22}{', '.join(rungs) if rungs else 'NO RUNG CALLS IT (a finding)'}")
     for r in rep.get("regressions", []):
         print(f"REGRESSION {r}")
+    failures = [failure_view(f) for f in rep.get("failures", [])]
+    for f in failures[:5]:
+        where = "/".join(str(x) for x in (f["backend"], f["format"] or NO_FORMAT) if f["rung"])
+        print(f"FAILED {f['test']}" + (f" [{where}]" if where else "") + (f": {f['message'][0]}" if f["message"] else ""))
+    if len(failures) > 5:
+        print(f"... and {len(failures) - 5} more failures (report.md lists them with their messages)")
+    if rep.get("next"):
+        print("\nnext:")
+        for cmd in rep["next"]:
+            print(f"  {cmd}")
 
 
 def register(sub) -> None:
@@ -337,7 +475,13 @@ def register(sub) -> None:
     lad = sub.add_parser("ladder", help="run the unit, layer and graph rungs in order and write a report",
                          description="Run the unit, layer and graph rungs in order, each as its own pytest "
                                      "process, and write a report folder. Arguments after `--` go to every "
-                                     "rung's pytest (e.g. `-- -k rmsnorm`).")
+                                     "rung's pytest (e.g. `-- -k rmsnorm`).",
+                         epilog="Exit status (also of `nanoqwen ladder merge`): 0 green; 1 a rung is red (tests "
+                                "failed, a --baseline regression, --coverage, the near-tie flip rule); 2 bad input, "
+                                "refused before any rung; 3 the harness broke, not a kernel: a rung's pytest ended "
+                                "in a usage error, an internal error, a collection error or interruption, or "
+                                "collected no test (one line says which; it stops the ladder even under "
+                                "--keep-going, and wins over red).")
     lad.add_argument("--model", help=".nanoqwen file or Hugging Face folder (default: the embedded default model)")
     lad.add_argument("--prompts", help="graph-rung prompts (JSON lines with 'id' and 'ids' or 'text'); default: "
                                        "the default prompt set, re-tokenized or drawn for a model of another vocab")

@@ -10,12 +10,15 @@ graph rung's prompts too). The plugin (ladder/plugin.py) deselects the other sha
 collection; the rung's JSON records the shard.
 
 `merge` folds the shards' rung files (RUNG.json, junit-RUNG.xml) into one report folder, as if one
-machine had run everything: counts and skip reasons summed, each op's worst error the worst over the
-shards, op calls summed (so the coverage table is the union), graph-rung totals summed with the largest
-logit difference kept, bounds once each (the near-tie flip rule is judged again on the sums), failures and near-ties listed, one JUnit
-file per rung with every shard's test cases. It refuses (one line, exit 2) folders that are not
-ladder reports, shards of different runs (model, formats, backends, rungs), a shard given twice or
-missing, and a mix of sharded and unsharded reports.
+machine had run everything: counts and skip reasons summed (per rung, and per backend and format), each
+op's worst error the worst over the shards (per rung, backend, format and op), op calls summed (so the
+coverage table is the union), graph-rung totals summed with the largest logit difference kept, bounds
+once each (the near-tie flip rule is judged again on the sums), failures (with their messages and rerun
+commands; a shard written before failures carried them lists bare node ids, kept as they are) and
+near-ties listed, one JUnit file per rung with every shard's test cases; the meta keeps the first
+shard's commit and environment. It refuses (one line, exit 2) folders that are not ladder reports,
+shards of different runs (model, formats, backends, rungs), a shard given twice or missing, and a mix of
+sharded and unsharded reports.
 """
 
 from __future__ import annotations
@@ -80,6 +83,7 @@ def merge_rung_data(parts: list[dict]) -> dict:
     calls: Counter = Counter()
     graph: dict[tuple, dict] = {}
     unsupported: Counter = Counter()
+    cases: Counter = Counter()
     out = {"graph_bounds": [], "near_ties": [], "failures": []}
     for part in parts:
         for rung, counts in part.get("rungs", {}).items():
@@ -87,7 +91,7 @@ def merge_rung_data(parts: list[dict]) -> dict:
         for rung, reasons in part.get("skips", {}).items():
             skips.setdefault(rung, Counter()).update(reasons)
         for o in part.get("ops", []):
-            key = (o["rung"], str(o["backend"]), o["op"])
+            key = ladder_report.op_key(o)
             if key not in worst or o["multiple"] > worst[key]["multiple"]:
                 worst[key] = o
         for c in part.get("calls", []):
@@ -106,6 +110,10 @@ def merge_rung_data(parts: list[dict]) -> dict:
                 m[k] = min(m.get(k, float("inf")), g.get(k, float("inf")))
         for u in part.get("unsupported", []):
             unsupported[(u["backend"], u["format"])] += u["tests"]
+        for c in part.get("cases", []):
+            for outcome, n in c.items():
+                if outcome not in ("backend", "format"):
+                    cases[(c.get("backend"), c.get("format"), outcome)] += n
         out["graph_bounds"] += part.get("graph_bounds", [])
         out["near_ties"] += part.get("near_ties", [])
         out["failures"] += part.get("failures", [])
@@ -124,10 +132,17 @@ def merge_rung_data(parts: list[dict]) -> dict:
         "graph": [graph[k] for k in sorted(graph, key=lambda k: tuple(str(x) for x in k))],
         "graph_bounds": _unique(out["graph_bounds"]),
         "near_ties": sorted(out["near_ties"], key=lambda d: (str(d.get("backend")), str(d.get("prompt_id")), d.get("position", 0))),
-        "failures": sorted(out["failures"]),
+        "failures": sorted(out["failures"], key=_failure_order),
+        **({"cases": ladder_report.cases_json(cases)} if cases else {}),
         "unsupported": [{"backend": b, "format": f, "tests": n} for (b, f), n in sorted(unsupported.items())],
         "slowest": sorted(out.get("slowest", []), key=lambda d: -d["seconds"])[:ladder_report.SLOWEST],
     }
+
+
+def _failure_order(f) -> tuple:
+    """Failures in node-id order, whether records (ladder/summary.py) or the bare node ids of older shards."""
+    v = ladder_report.failure_view(f)
+    return str(v["test"]), str(v.get("when"))
 
 
 def merge_junit(paths: list[Path], out: Path) -> None:
@@ -152,6 +167,8 @@ def merge_junit(paths: list[Path], out: Path) -> None:
 # ---- merging report folders ---------------------------------------------------------------------
 
 _SAME_RUN = ("model", "backends", "formats", "plant_fault")
+# kept from the first shard: the machines of one run check out one commit; their libraries may differ
+_FIRST_SHARDS = ("model_files", "commit", "dirty", "environment")
 
 
 def _load(folder: Path) -> dict:
@@ -219,7 +236,8 @@ def merge_reports(folders: list[str], out: Path, baseline: dict | None = None, c
         seconds = [r["rungs"][rung].get("seconds") or 0.0 for r in reports]
         results[rung] = {**data, "exit": code, "seconds": max(seconds)}
         failed |= code != 0
-    meta = {**{k: first.get(k) for k in _SAME_RUN}, "started": min(str(r["meta"].get("started")) for r in reports),
+    meta = {**{k: first.get(k) for k in _SAME_RUN}, **{k: first.get(k) for k in _FIRST_SHARDS},
+            "started": min(str(r["meta"].get("started")) for r in reports),
             "merged_from": [str(p) for p in paths], "shards": len(paths),
             "machine_seconds": sum(r["rungs"][g].get("seconds") or 0.0 for r in reports for g in r["rungs"])}
     return ladder_report.conclude(results, meta, out, failed, baseline, require_coverage=coverage)

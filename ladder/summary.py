@@ -1,10 +1,12 @@
 """The run summary of the ladder's pytest plugin (ladder/plugin.py, which re-exports the hooks below).
 
 - `RunSummary`: what a pytest process saw, fed by every test report (`pytest_runtest_logreport`): tests
-  run, passed, failed and skipped (with the reasons) per rung, each op's worst error as a multiple of its
-  noise floor, the op calls each rung made (the coverage listing), the graph rung's token records and
-  bounds, unsupported formats, failures, the slowest phases. With pytest-xdist the controller's summary
-  gets every worker's reports (the properties the tests attached travel with them).
+  run, passed, failed and skipped (with the reasons) per rung and per backend and format, each op's worst
+  error per (rung, backend, format, op) as a multiple of its noise floor, the op calls each rung made (the
+  coverage listing), the graph rung's token records and bounds, unsupported formats, the slowest phases,
+  and each failure with its backend, format, the first lines of its message and its rerun command (read
+  from the failed report, so a red report says why without the log). With pytest-xdist the controller's
+  summary gets every worker's reports (the properties the tests attached travel with them).
 - progress lines: every PROGRESS_SECONDS (env NANOQWEN_PROGRESS_SECONDS, default 60) a line with the tests
   finished, of how many (the collection's count, or the first worker's with workers), the rate and the
   slowest phase so far.
@@ -20,6 +22,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -27,11 +31,14 @@ from pathlib import Path
 import pytest
 
 from kernels import OPS
-from ladder.report import SLOWEST
+from ladder.report import SLOWEST, cases_json
 
 RUNGS = ("unit", "layer", "graph")  # the ladder's rungs: `nanoqwen ladder` runs these (ladder/runner.py)
 SELFTEST = "selftest"  # ladder/selftest/: the tests of the ladder's own commands and judges, not a rung
 ROWS = (*RUNGS, SELFTEST)  # the summary's rows, each the folder of ladder/ its tests live in (else "other")
+MESSAGE_LINES = 8  # of a failure's message kept in the JSON and report.md: the error, bound, floor, worst pairs
+LINE_CHARS = 300  # of each such line: a row of worst pairs, or a Hypothesis example, can run on for pages
+RERUN_IN_TRACEBACK = re.compile(r"^(?:E\s+)?rerun: (.+)$", re.MULTILINE)  # pytest marks exception lines "E   "
 
 
 def is_worker(config) -> bool:
@@ -53,11 +60,12 @@ class RunSummary:
     def __init__(self):
         self.counts = defaultdict(Counter)  # rung -> outcome -> n
         self.skips = defaultdict(Counter)  # rung -> reason -> n
-        self.worst: dict[tuple, dict] = {}  # (rung, backend, op) -> worst record
+        self.worst: dict[tuple, dict] = {}  # (rung, backend, format, op) -> worst record
         self.calls = defaultdict(Counter)  # (rung, backend) -> op -> n
         self.graph: list[dict] = []  # graph rung: one ladder/tokens.py record per prompt and backend
         self.graph_bounds: list[dict] = []  # the bounds each worker derived (the same, recorded once)
-        self.failures: list[str] = []
+        self.failures: list[dict] = []  # failure_record() of each failed phase, in the order they came
+        self.cases = Counter()  # (backend, format, outcome) -> tests: what actually ran, beside what was asked
         self.unsupported = Counter()  # (backend, format) -> tests that failed for want of a kernel
         self.shard: str | None = None  # --shard I/N of this run
         self.durations: list[tuple[float, str]] = []  # (seconds of a setup or call phase, node id)
@@ -78,16 +86,18 @@ class RunSummary:
             outcome = report.outcome
             self.counts[rung][outcome] += 1
             self.finished += 1
+            params = report_params(report)
+            self.cases[(params["backend"], params["format"], outcome)] += 1
             if report.skipped:
                 reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
                 self.skips[rung][reason.removeprefix("Skipped: ")] += 1
             if report.failed:
-                self.failures.append(report.nodeid)
+                self.failures.append(failure_record(report, rung))
         if report.when != "teardown":  # every phase's report carries the item's properties: read them once
             return
         for key, value in report.user_properties:
             if key == "nanoqwen_check":
-                k = (rung, value["backend"], value["op"])
+                k = (rung, value["backend"], value.get("format"), value["op"])
                 if k not in self.worst or value["multiple"] > self.worst[k]["multiple"]:
                     self.worst[k] = value
             elif key == "nanoqwen_calls":
@@ -119,9 +129,9 @@ class RunSummary:
             # the rungs always (a report reads each); the self-tests where this run had any
             "rungs": {r: dict(self.counts[r]) for r in ROWS if r in RUNGS or self.counts[r]},
             "skips": {r: dict(self.skips[r]) for r in ROWS if r in RUNGS or self.counts[r]},
-            "ops": [{"rung": r, "backend": b, "op": o, **{k: v for k, v in rec.items() if k in
-                     ("multiple", "max_abs", "rel_l2", "floor", "case", "seed", "passed")}}
-                    for (r, b, o), rec in sorted(self.worst.items(), key=lambda kv: tuple(str(x) for x in kv[0]))],
+            "ops": [{"rung": r, "backend": b, "format": f, "op": o, **{k: v for k, v in rec.items() if k in
+                     ("multiple", "max_abs", "rel_l2", "floor", "bound", "case", "seed", "passed")}}
+                    for (r, b, f, o), rec in sorted(self.worst.items(), key=lambda kv: tuple(str(x) for x in kv[0]))],
             "calls": [{"rung": r, "backend": b, "op": op, "n": n}
                       for (r, b), c in sorted(self.calls.items(), key=lambda kv: tuple(str(x) for x in kv[0]))
                       for op, n in sorted(c.items())],
@@ -132,6 +142,7 @@ class RunSummary:
             "graph_bounds": self.graph_bounds,
             "near_ties": [{**d, "backend": r["backend"]} for r in self.graph for d in r["near_ties"]],
             "failures": self.failures,
+            "cases": cases_json(self.cases),
             "unsupported": [{"backend": b, "format": f, "tests": n} for (b, f), n in sorted(self.unsupported.items())],
             "shard": self.shard,
             "slowest": [{"seconds": d, "test": n} for d, n in sorted(self.durations, reverse=True)[:SLOWEST]],
@@ -154,6 +165,51 @@ class RunSummary:
         from ladder.tokens import judge_flips
 
         return [judge_flips(g) for g in self.graph_summaries()]
+
+
+def case_params(item) -> dict:
+    """The backend and format a case runs on, from its parametrization (None where it takes none)."""
+    callspec = getattr(item, "callspec", None)
+    params = callspec.params if callspec is not None else {}
+    return {"backend": params.get("backend_name"), "format": params.get("quant_name")}
+
+
+def report_params(report) -> dict:
+    """case_params() as the plugin attached them to every report of the case (`nanoqwen_case`)."""
+    for key, value in getattr(report, "user_properties", ()):
+        if key == "nanoqwen_case":
+            return value
+    return {"backend": None, "format": None}
+
+
+def failure_message(report) -> tuple[list[str], str]:
+    """(the first MESSAGE_LINES lines of a failed report's message, its rerun command). The message is the
+    exception's own text (pytest's `reprcrash`, which crosses from an xdist worker with the report), not
+    the traceback; a message without a `rerun:` line (a failure outside ladder/compare.py) gets one made
+    from the node id."""
+    longrepr = report.longrepr
+    crash = getattr(getattr(longrepr, "reprcrash", None), "message", None)
+    text = crash if crash else ("" if longrepr is None else str(longrepr))
+    lines, rerun = [], None
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("rerun: "):
+            rerun = rerun or line.removeprefix("rerun: ")
+        elif line and len(lines) < MESSAGE_LINES and rerun is None:
+            lines.append(line if len(line) <= LINE_CHARS else line[:LINE_CHARS - 3] + "...")
+    if lines:
+        lines[0] = lines[0].removeprefix("AssertionError: ")
+    if rerun is None:  # the traceback may hold it where the crash line does not (a wrapped exception)
+        found = RERUN_IN_TRACEBACK.search(str(longrepr or ""))
+        rerun = found.group(1).strip() if found else f"python -m pytest {shlex.quote(case_id(report.nodeid))}"
+    return lines, rerun
+
+
+def failure_record(report, rung: str) -> dict:
+    """A failed phase as report.json and report.md list it: the test, where it ran, why, how to rerun it."""
+    lines, rerun = failure_message(report)
+    return {"test": case_id(report.nodeid), "rung": rung, **report_params(report), "when": report.when,
+            "message": lines, "rerun": rerun}
 
 
 def case_id(nodeid: str) -> str:
@@ -205,7 +261,9 @@ def pytest_sessionfinish(session, exitstatus):
         return
     bad = [v for v in config._nanoqwen.flip_verdicts() if not v.passed]
     for v in bad:
-        config._nanoqwen.failures.append(f"graph rung, {v.describe()}")
+        config._nanoqwen.failures.append({"test": f"graph rung, near-tie flips on {v.backend}", "rung": "graph",
+                                          "backend": v.backend, "format": None, "when": "sessionfinish",
+                                          "message": v.describe().splitlines()[:MESSAGE_LINES], "rerun": None})
     if bad and session.exitstatus == 0:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
@@ -233,12 +291,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             tr.line(f"          skipped {n}x: {reason}")
     if s.worst:
         tr.line("")
-        tr.line(f"{'rung':<8}{'backend':<11}{'op':<22}{'worst err / noise floor':>24}  case")
-        for (r, b, o), rec in sorted(s.worst.items(), key=lambda kv: tuple(str(x) for x in kv[0])):
+        tr.line(f"{'rung':<8}{'backend':<11}{'format':<18}{'op':<22}{'worst err / noise floor':>24}  case")
+        for (r, b, f, o), rec in sorted(s.worst.items(), key=lambda kv: tuple(str(x) for x in kv[0])):
             mult = rec["multiple"]
             shown = "exact" if mult == 0 else f"{mult:.2f}x"
             flag = "" if rec["passed"] else "  FAILED"
-            tr.line(f"{r:<8}{str(b):<11}{o:<22}{shown:>24}  {rec['case']}{flag}")
+            tr.line(f"{r:<8}{str(b):<11}{f or '-':<18}{o:<22}{shown:>24}  {rec['case']}{flag}")
     for g in s.graph_summaries():
         tr.line("")
         tr.line(g.describe())
