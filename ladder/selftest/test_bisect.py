@@ -7,6 +7,7 @@ import torch or numpy; each bisect runs pytest a handful of times on a few lines
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import pytest
 
 from ladder.tools.bisect import BAD, GOOD, SKIP, BisectError, bisect, failing_tests, selection_of, verdict
 from engine.cli import build_parser
+from engine.cli import main as cli_main
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 _GIT_VARS = ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE", "GIT_COMMON_DIR", "GIT_OBJECT_DIRECTORY")
@@ -203,3 +205,124 @@ def test_command_line(linear):
     r = subprocess.run([*cmd[:-1], hashes[2]], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and r.stderr.startswith("nanoqwen: error: --bad") and r.stderr.count("\n") == 1
     assert snapshot(path) == before
+
+
+# --- --baseline: the ladder judges each revision against a report ----------------------------------
+
+# A stand-in for a revision's `python -m ladder ladder`: its verdict is the revision's STATE file. It checks
+# what bisect must give it (the absolute baseline folder, a --report, the arguments after `--`) and
+# writes a report.json with the regression, as the real ladder does.
+FAKE_LADDER = '''\
+"""A stand-in for `python -m ladder ladder --baseline B --report R ...`: the revision's STATE decides."""
+import json, os, sys
+
+args = sys.argv[1:]
+baseline, report = args[args.index("--baseline") + 1], args[args.index("--report") + 1]
+if args[0] != "ladder" or "--rungs" not in args or not os.path.isfile(os.path.join(baseline, "report.json")):
+    print(f"nanoqwen: error: not what bisect should run: {args}", file=sys.stderr)
+    sys.exit(2)
+state = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "STATE")).read().strip()
+if state == "broken":
+    print("nanoqwen: rung unit: pytest usage error (pytest exit 4): the harness broke, not a kernel", file=sys.stderr)
+    sys.exit(3)
+os.makedirs(report, exist_ok=True)
+found = [REGRESSION] if state == "regressed" else []
+with open(os.path.join(report, "report.json"), "w") as f:
+    json.dump({"meta": {}, "regressions": found, "failures": []}, f)
+sys.exit(1 if found else 0)
+'''
+REGRESSION = "unit/numpy/int4_sym_g128/rmsnorm: worst error grew from 1.2x to 9x its noise floor (> 1.5x growth)"
+
+
+def make_ladder_repo(path: Path, states: list[str]) -> list[str]:
+    """A repository whose `python -m ladder` is FAKE_LADDER, one commit per state ('green', 'regressed'
+    (every test green, an op's error grown: exit 1), 'broken' (the harness broke: exit 3))."""
+    path.mkdir()
+    git(path, "init", "-q")
+    git(path, "config", "user.name", "Bisect Test")
+    git(path, "config", "user.email", "bisect@example.com")
+    git(path, "config", "commit.gpgsign", "false")
+    (path / "ladder").mkdir()
+    (path / "ladder" / "__init__.py").write_text("")
+    (path / "ladder" / "__main__.py").write_text(FAKE_LADDER.replace("REGRESSION", repr(REGRESSION)))
+    hashes = []
+    for i, state in enumerate(states):
+        (path / "STATE").write_text(f"{state}\n")
+        (path / "VERSION").write_text(f"{i}\n")
+        git(path, "add", "-A")
+        git(path, "commit", "-q", "-m", f"commit {i}: {state}")
+        hashes.append(git(path, "rev-parse", "HEAD"))
+    return hashes
+
+
+def baseline_folder(path: Path, commit: str | None) -> Path:
+    """A ladder report folder whose report.json records `commit` (None: a report from before the key)."""
+    path.mkdir()
+    (path / "report.json").write_text(json.dumps({"meta": {"commit": commit} if commit else {}, "ops": []}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def regressing(tmp_path_factory):
+    """7 commits, every test green; the op's error grows past its limit at commit 4; a baseline of commit 0."""
+    root = tmp_path_factory.mktemp("regressing")
+    hashes = make_ladder_repo(root / "repo", ["green"] * 4 + ["regressed"] * 3)
+    return root / "repo", hashes, baseline_folder(root / "baseline", hashes[0])
+
+
+def test_baseline_bisect_names_the_commit_that_regressed_against_the_report(regressing, tmp_path, monkeypatch):
+    path, hashes, baseline = regressing
+    before = snapshot(path)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    lines = []
+    # no --good: the baseline report's commit is the good end
+    result = bisect(path, None, "HEAD", ["--rungs", "unit"], baseline=str(baseline), log=lines.append)
+    assert result.first_bad.hash == hashes[4] and result.failing == [REGRESSION]
+    assert {s.tool for s in result.steps} == {"ladder"} and result.steps[0].commit.hash == hashes[0]
+    text = "\n".join(lines)
+    assert f"ladder --baseline {baseline} --report TMP --rungs unit" in text
+    assert f"regressed or failing there (1):\n  {REGRESSION}" in text
+    assert list(tmp_path.iterdir()) == [] and snapshot(path) == before
+
+
+def test_baseline_bisect_skips_a_revision_whose_harness_broke(tmp_path):
+    path = tmp_path / "repo"
+    hashes = make_ladder_repo(path, ["green"] + ["broken"] * 4 + ["green", "regressed"])
+    baseline = baseline_folder(tmp_path / "baseline", None)
+    result = bisect(path, hashes[0], hashes[-1], ["--rungs", "unit"], baseline=str(baseline), log=lambda s: None)
+    assert result.first_bad.hash == hashes[-1]
+    assert result.skipped and {(s.tool, s.pytest_exit) for s in result.skipped} == {("ladder", 3)}
+    assert all("the harness broke" in s.summary for s in result.skipped)
+
+
+def test_baseline_bisect_refuses_a_good_end_that_regressed(regressing):
+    path, hashes, baseline = regressing
+    with pytest.raises(BisectError, match=r"^--good \S+ \(\w+\) is red, ladder exits 1 \(red or regressed: unit/numpy"):
+        bisect(path, hashes[5], "HEAD", ["--rungs", "unit"], baseline=str(baseline), log=lambda s: None)
+
+
+@pytest.mark.parametrize("case", ["no commit", "not a report", "-m", "--report after --"])
+def test_baseline_requests_it_cannot_carry_out_are_one_line_exit_2(regressing, tmp_path, capsys, case):
+    path, hashes, baseline = regressing
+    argv, message = {
+        "no commit": ([], "its report records no commit; give --good REV"),
+        "not a report": ([], "no report.json"),
+        "-m": (["-m", "unit"], "-m/-k select pytest tests"),
+        "--report after --": (["--", "--report", "x"], "--report after '--'"),
+    }[case]
+    folder = {"no commit": baseline_folder(tmp_path / "old", None), "not a report": tmp_path}.get(case, baseline)
+    assert cli_main(["bisect", "--repo", str(path), "--baseline", str(folder), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("nanoqwen: error: ") and message in err, err
+    if case == "no commit":
+        assert err == f"nanoqwen: error: --baseline {folder}: its report records no commit; give --good REV\n"
+
+
+def test_baseline_command_line(regressing):
+    path, hashes, baseline = regressing
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    cmd = [sys.executable, "-m", "ladder", "bisect", "--repo", str(path), "--baseline", str(baseline), "--", "--rungs",
+           "unit", "--backend", "numpy"]
+    r = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert f"first bad commit: {hashes[4]}" in r.stdout and REGRESSION in r.stdout

@@ -12,9 +12,16 @@
    its bound is the kernel to look at (an op can be wrong by less than a layer's fp16 noise, as fp16
    accumulation is, and still be found here).
 
-Prints a table per layer and per op, writes descend.json and, where matplotlib exists, descend.png
-(error per layer as a multiple of its floor). Exit status 0 when nothing diverges, 1 when something
-does. `--plant-fault` shows it at work on a known bug.
+It checks every backend this machine can run, in turn (`--backend B` picks one): a red CUDA night must
+not be descended on NumPy alone, where a CUDA-only bug cannot show. The model is the default model or a
+Hugging Face folder converted to `--quant FORMAT` (default int4_sym_g128), or a .nanoqwen file in its
+own format (another `--quant` is refused: one line, exit 2), so the ladder's
+`nanoqwen descend --backend B --quant F [--model M]` descends exactly what went red.
+
+Prints a table per layer and per op for each backend, writes descend.json (each backend's descent, and
+the backends that diverge) and, where matplotlib exists, descend-BACKEND.png (error per layer as a
+multiple of its floor). Exit status 0 when nothing diverges on any backend checked, 1 when something
+does, 2 for bad input. `--plant-fault` shows it at work on a known bug.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.config import PAGE_SIZE
+from engine.errors import NanoqwenError, one_line
 from engine.model import checked_config
 from engine.modelfile import ModelFile
 from fixtures.dequantized import dequantized_weights
@@ -60,8 +68,8 @@ def descend(model_path, ids, backend_name: str = "numpy", decode_steps: int | No
         plant(backend, plant_fault)
     recorder = Recorder(backend)
 
-    progress(f"descend: {Path(model_path).name}, prompt of {T} tokens (prefill {T - steps}, then {steps} decode "
-             f"steps), backend {backend_name}" + (f", planted fault {plant_fault}" if plant_fault else ""))
+    progress(f"descend: {Path(model_path).name} ({mf.quant}), prompt of {T} tokens (prefill {T - steps}, then {steps} "
+             f"decode steps), backend {backend_name}" + (f", planted fault {plant_fault}" if plant_fault else ""))
     progress("descend: running the HF simulation (transformers, float32) to record every layer's input and output")
     states = hf_layer_states(hf_model(hf_cfg, weights), ids)
     progress(f"descend: {len(states)} layers, each on the simulation's input to it")
@@ -86,7 +94,7 @@ def descend(model_path, ids, backend_name: str = "numpy", decode_steps: int | No
             first = layer
     ops = ops_by_layer[first] if first is not None else []
     first_op = first_op_over_its_bound(ops)
-    return {"model": str(model_path), "backend": backend_name, "prompt_len": T, "decode_steps": steps,
+    return {"model": str(model_path), "quant": mf.quant, "backend": backend_name, "prompt_len": T, "decode_steps": steps,
             "plant_fault": plant_fault, "layers": [c.as_dict() for c in layers], "first_layer": first,
             "layer_diverged": bool(first is not None and layers[first].diverged),
             "ops": [c.as_dict() for c in ops], "first_op": first_op.name if first_op else None}
@@ -133,7 +141,7 @@ def plot(result: dict, path: Path) -> bool:
         ax.axvline(result["first_layer"], color="red", alpha=0.3, label=f"first diverging layer {result['first_layer']}")
     ax.set_xlabel("layer")
     ax.set_ylabel("multiple of the floor")
-    ax.set_title(f"descend: {Path(result['model']).name} on {result['backend']}")
+    ax.set_title(f"descend: {Path(result['model']).name} ({result['quant']}) on {result['backend']}")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -141,22 +149,81 @@ def plot(result: dict, path: Path) -> bool:
     return True
 
 
+class DescendArgumentError(NanoqwenError):
+    """A `nanoqwen descend` argument that names nothing usable (one line, exit 2)."""
+
+
+def model_for(spec: str | None, quant: str | None) -> Path:
+    """The .nanoqwen file to descend: the default model or an HF folder converted to `quant` (None: the
+    default format), or a .nanoqwen file as it is, which must then be in `quant` when one is given."""
+    from engine.formats import DEFAULT_FORMAT, FORMATS
+    from engine.resolve import resolve_model
+
+    if quant is not None and quant not in FORMATS:
+        raise DescendArgumentError(f"--quant {quant}: unknown format; known: {', '.join(sorted(FORMATS))}")
+    if spec is not None and not Path(spec).is_dir():
+        with ModelFile(spec) as mf:  # a missing or malformed file is its own typed error here
+            own = mf.quant
+        if quant not in (None, own):  # a file's weights are already rounded: it cannot become another format
+            raise DescendArgumentError(f"--model {spec} is quantized as {own}, not {quant}; give its Hugging Face "
+                                       f"folder to descend in {quant}, or leave --quant out to descend in {own}")
+        return Path(spec)
+    return resolve_model(spec, quant or DEFAULT_FORMAT)
+
+
+def backends_to_check(chosen: str | None) -> tuple[list[str], list[str]]:
+    """The backends to descend on, in turn: `chosen`, else every one this machine can run; and those left
+    out, each with the reason it cannot run here."""
+    from kernels import backend_available, backend_names
+
+    if chosen:
+        ok, why = backend_available(chosen)
+        if not ok:
+            raise DescendArgumentError(f"--backend {chosen} cannot run on this machine: {one_line(why)}")
+        return [chosen], []
+    run, left_out = [], []
+    for name in backend_names():
+        ok, why = backend_available(name)
+        if ok:
+            run.append(name)
+        else:
+            left_out.append(f"{name} ({one_line(why, 120)})")
+    return run, left_out
+
+
 def cmd_descend(args) -> int:
     from engine.outpath import check_output_folder
-    from engine.resolve import prompt_ids, resolve_model
+    from engine.resolve import prompt_ids
 
-    out = check_output_folder(args.out)  # refused (or made) before the descent, not after it
-    out.mkdir(parents=True, exist_ok=True)
-    path = resolve_model(args.model)
+    out = check_output_folder(args.out)  # refused before the descent, not after it
+    path = model_for(args.model, args.quant)
+    backends, left_out = backends_to_check(args.backend)
     ids, _ = prompt_ids(path, None if args.prompt_ids else args.prompt, args.prompt_ids)
     if len(ids) < 2:
         raise SystemExit("nanoqwen: error: descend needs a prompt of at least 2 tokens (a prefill and a decode step)")
-    result = descend(path, ids, args.backend, args.decode_steps, args.plant_fault)
-    print_report(result)
-    (out / "descend.json").write_text(json.dumps(result, indent=1, default=str))
-    drawn = plot(result, out / "descend.png")
-    print(f"wrote {out / 'descend.json'}" + (f" and {out / 'descend.png'}" if drawn else " (no matplotlib: no chart)"))
-    return 1 if result["first_layer"] is not None else 0
+    out.mkdir(parents=True, exist_ok=True)
+    with ModelFile(path) as mf:
+        quant = mf.quant
+    print(f"descend: checking backend{'s' if len(backends) > 1 else ''} {', '.join(backends)} in format {quant}"
+          + (f"; not {'; '.join(left_out)}: cannot run here" if left_out else ""), flush=True)
+    results, charts = {}, []
+    for i, name in enumerate(backends, 1):
+        print(f"\ndescend: backend {name} ({i} of {len(backends)})", flush=True)
+        result = descend(path, ids, name, args.decode_steps, args.plant_fault)
+        print_report(result)
+        results[name] = result
+        if plot(result, out / f"descend-{name}.png"):
+            charts.append(out / f"descend-{name}.png")
+    diverged = [name for name, r in results.items() if r["first_layer"] is not None]
+    summary = {"model": str(path), "quant": quant, "checked": backends, "not_checked": left_out,
+               "diverged": diverged, "backends": results}
+    (out / "descend.json").write_text(json.dumps(summary, indent=1, default=str))
+    if len(backends) > 1:
+        print(f"\nverdict over {len(backends)} backends: " + (f"diverges on {', '.join(diverged)}" if diverged
+                                                               else "none diverges"))
+    print(f"wrote {out / 'descend.json'}" + (f" and {', '.join(map(str, charts))}" if charts else
+                                               " (no matplotlib: no chart)"))
+    return 1 if diverged else 0
 
 
 DEFAULT_PROMPT = ("def fibonacci(n):\n    if n < 2:\n        return n\n    a, b = 0, 1\n    for _ in range(n):\n"
@@ -167,6 +234,7 @@ def register(subparsers) -> None:
     from kernels import backend_names  # the registry: a new backend needs no edit here
 
     from engine.cli import non_negative_int, token_ids_arg
+    from engine.formats import DEFAULT_FORMAT
 
     d = subparsers.add_parser("descend", help="walk down to the first layer, then the first op, where the engine "
                                               "leaves the HF simulation")
@@ -174,9 +242,13 @@ def register(subparsers) -> None:
     src = d.add_mutually_exclusive_group()
     src.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text (default: a short Python function)")
     src.add_argument("--prompt-ids", type=token_ids_arg, help="comma-separated token ids")
-    d.add_argument("--backend", default="numpy", choices=backend_names())
+    d.add_argument("--backend", choices=backend_names(),
+                   help="the backend to descend on (default: every backend this machine can run, in turn)")
+    d.add_argument("--quant", metavar="FORMAT",
+                   help=f"weight format: the default model or an HF folder is converted to it (default "
+                        f"{DEFAULT_FORMAT}); a .nanoqwen file runs in its own, and another FORMAT is refused")
     d.add_argument("--decode-steps", type=non_negative_int,
                    help="how many of the last prompt tokens run as decode steps (default 17: across a page edge)")
     d.add_argument("--plant-fault", help="plant a fault from ladder/faults.py first (to see the descent find it)")
-    d.add_argument("--out", default="reports/descend", help="folder for descend.json and descend.png")
+    d.add_argument("--out", default="reports/descend", help="folder for descend.json and descend-BACKEND.png")
     d.set_defaults(func=cmd_descend)
