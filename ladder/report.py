@@ -95,10 +95,27 @@ def _gpu() -> tuple[str | None, str | None]:
             return None, None
         name = cupy.cuda.runtime.getDeviceProperties(0)["name"]
         name = name.decode() if isinstance(name, bytes) else str(name)
-        v = cupy.cuda.runtime.driverGetVersion()  # e.g. 12040: CUDA 12.4, what the driver supports
-        return name, f"CUDA {v // 1000}.{v % 1000 // 10}"
+        v = cupy.cuda.runtime.driverGetVersion()  # e.g. 13000: CUDA 13.0, what the driver supports
+        cuda = f"CUDA {v // 1000}.{v % 1000 // 10}"
     except Exception:  # noqa: BLE001: a GPU probe must never fail a run
         return None, None
+    release = _driver_release()
+    return name, (f"{release} ({cuda})" if release else cuda)
+
+
+def _driver_release() -> str | None:
+    """The driver's own release (e.g. 580.95.05), which CUDA does not give: nvidia-smi's, where it answers."""
+    import shutil
+    import subprocess
+
+    smi = shutil.which("nvidia-smi")
+    try:
+        r = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader", "-i", "0"],
+                           capture_output=True, text=True, timeout=10) if smi else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = r.stdout.split() if r is not None and r.returncode == 0 else []
+    return lines[0] if lines else None
 
 
 def failure_view(f) -> dict:
