@@ -7,7 +7,9 @@ finds the others (`python -m ladder` runs the same `main` from a plain checkout)
     nanoqwen convert HF_DIR OUT.nanoqwen [--quant FORMAT]     (the formats: docs/FORMAT.md, `convert --help`)
     nanoqwen inspect FILE
     nanoqwen bisect --good REV [--bad REV] [--backend B] [--repo PATH] [-- PYTEST ARGS, default -m unit]
-    nanoqwen descend [--model FILE|HF_DIR] [--prompt TEXT | --prompt-ids 1,2,3] [--plant-fault NAME[@LAYER]]
+    nanoqwen bisect --baseline REPORT_DIR [--good REV] [--bad REV] [-- LADDER ARGS]
+    nanoqwen descend [--model FILE|HF_DIR] [--quant FORMAT] [--backend B] [--prompt TEXT | --prompt-ids 1,2,3]
+                     [--plant-fault NAME[@LAYER][:FORMAT]]
 
 Errors about the user's input (a malformed model file or checkpoint, an output path that cannot be
 written, a bad argument, a token id out of range, a prompt longer than the cache, a backend this

@@ -18,7 +18,7 @@ Loaded by the repository's root conftest.py, or with `-p ladder.plugin` from an 
   formats the model-bound tests (`model_path`) run in: the default model or a Hugging Face folder
   converted to each, a `.nanoqwen` file in its own. A backend without a format's kernels fails those
   tests, counted as UNSUPPORTED in the summary and the JSON.
-- `--plant-fault NAME[@LAYER]` wraps one op of every Backend object with a fault from ladder/faults.py.
+- `--plant-fault NAME[@LAYER][:FORMAT]` wraps one op of every Backend object with a fault from ladder/faults.py.
 - `--update-golden` regenerates the golden activations (once per format, before the tests, on the controller).
 - Hypothesis profiles `ci` (the default: quick, derandomized) and `nightly` (thorough), chosen with
   Hypothesis' own `--hypothesis-profile`.
@@ -82,7 +82,7 @@ def pytest_addoption(parser):
     g.addoption("--prompts", default=None, metavar="FILE",
                 help="graph-rung prompts, JSON lines with 'id' and 'ids' (token ids) or 'text'; "
                      "default: the fixture prompt file of the default model")
-    g.addoption("--plant-fault", default=None, metavar="NAME[@LAYER]",
+    g.addoption("--plant-fault", default=None, metavar="NAME[@LAYER][:FORMAT]",
                 help="wrap one backend op with a planted fault from ladder/faults.py (the ladder must go red)")
     g.addoption("--update-golden", action="store_true",
                 help="regenerate the golden activations of the model under test before running")

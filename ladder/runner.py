@@ -10,7 +10,7 @@ pyproject.toml) changes it: the project's settings travel on its command line an
 (markers, `--strict-markers`).
 
     nanoqwen ladder [--model FILE|HF_DIR] [--prompts FILE] [--backend B] [--rungs unit,layer,graph]
-                    [--keep-going] [--report DIR] [--baseline DIR] [--coverage] [--plant-fault NAME[@LAYER]]
+                    [--keep-going] [--report DIR] [--baseline DIR] [--coverage] [--plant-fault NAME[@LAYER][:FORMAT]]
                     [--new-tokens N] [--skip-determinism] [--shard I/N] [--changed REV] [--record-launches]
                     [-n WORKERS] [-- EXTRA PYTEST ARGS]
     nanoqwen ladder merge REPORT... [--report DIR] [--baseline DIR] [--coverage]
