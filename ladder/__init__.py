@@ -1,6 +1,6 @@
 """The correctness ladder: the rungs that prove the engine right, and what is built on them.
 
-- the ladder itself (this folder's modules): the pytest plugin (plugin.py, summary.py, required.py),
+- the ladder itself (this folder's modules): the pytest plugin (plugin.py, summary.py, required.py, groups.py),
   tolerances, comparisons, planted faults, the graph rung's judge (tokens.py), the report, shards and
   `nanoqwen ladder` (runner.py), and the rungs: unit/, layer/, graph/ (markers `unit`, `layer`, `graph`);
 - tools/: the tools that drive the ladder: `nanoqwen bisect`, `descend`, `mutate`, `quant-report`;
