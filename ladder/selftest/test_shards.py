@@ -170,12 +170,13 @@ def _content(rep: dict) -> dict:
     return {
         "rungs": {r: {k: v.get(k, 0) for k in ("passed", "failed", "skipped", "exit")} for r, v in rep["rungs"].items()},
         "skips": rep["skips"],
-        "ops": sorted((o["rung"], str(o["backend"]), o["op"], o["multiple"], o.get("passed", True)) for o in rep["ops"]),
+        "ops": sorted((o["rung"], str(o["backend"]), str(o.get("format")), o["op"], o["multiple"], o.get("passed", True))
+                      for o in rep["ops"]),
         "coverage": rep["coverage"],
         "graph": sorted((g["backend"], g["prompts"], g["failed_prompts"], g["positions"], g["exact"], g["near_ties"],
                          g["failures"], g["max_logit_diff"]) for g in rep["graph"]["backends"]),
         "bounds": rep["graph"]["bounds"],
-        "failures": sorted(rep["failures"]),
+        "failures": sorted(json.dumps(f, sort_keys=True) for f in rep["failures"]),  # records: test, backend, format, ...
     }
 
 
