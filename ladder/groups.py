@@ -81,7 +81,8 @@ def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadGroupScheduling
 
     class GroupScheduling(LoadGroupScheduling):
-        """pytest-xdist's loadgroup, the groups read from the workers' files instead of the node ids."""
+        """pytest-xdist's loadgroup, the groups read from the workers' files instead of the node ids, and a
+        worker's crash (a kill for memory, a segfault) that ends the run instead of hanging it."""
 
         groups: dict[str, str] | None = None
 
@@ -89,6 +90,40 @@ def pytest_xdist_make_scheduler(config, log):
             if self.groups is None:
                 self.groups = read_groups(getattr(config, "_nanoqwen_groups", None))
             return self.groups.get(nodeid) or super()._split_scope(nodeid)
+
+        def remove_node(self, node):
+            """A worker is gone. pytest-xdist 3.8 puts its whole workload back on the queue: its finished
+            groups too, which a replacement then gets as empty units that never complete, and the test it
+            crashed on, which would crash the replacement as well (xdist has already reported it failed).
+            The run hung, every process idle, after "node down: Not properly terminated". Here only the
+            unfinished rest of each group goes back."""
+            workload = self.assigned_work.pop(node)
+            unfinished = {scope: unit for scope, unit in workload.items() if not all(unit.values())}
+            if not unfinished:
+                return None
+            # the worker runs its items in the order they were sent: the first unfinished one was running
+            crashed = next(nodeid for unit in unfinished.values() for nodeid, done in unit.items() if not done)
+            for scope, unit in unfinished.items():
+                if crashed in unit:
+                    unit[crashed] = True  # done: xdist reported it failed; not to be run again
+                if not all(unit.values()):
+                    self.workqueue[scope] = unit
+            for other in self.assigned_work:
+                self._reschedule(other)
+            return crashed
+
+        def _reschedule(self, node) -> None:
+            """A worker runs an item only once it knows the next one or that none will come; at the start
+            xdist sends each two units for that reason, but a replacement worker got one, and a group of one
+            case then waited forever. Never leave a worker holding fewer than two items."""
+            if node not in self.registered_collections:
+                return  # a replacement still collecting: schedule() gives it work once its collection is in
+            super()._reschedule(node)
+            while not node.shutting_down and self._pending_of(self.assigned_work.get(node, {})) < 2:
+                if not self.workqueue:
+                    node.shutdown()
+                    break
+                self._assign_work_unit(node)
 
     return GroupScheduling(config, log)
 
