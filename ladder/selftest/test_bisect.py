@@ -36,13 +36,25 @@ def git(cwd, *args) -> str:
     return subprocess.run(["git", *args], cwd=cwd, env=env, check=True, capture_output=True, text=True).stdout.strip()
 
 
-def make_repo(path: Path, states: list[str]) -> list[str]:
-    """A repository with one commit per state ('good', 'bad', 'broken'); returns the commit hashes."""
+def new_repo(path: Path) -> None:
+    """An empty repository at `path` (created), with a committer and no signing."""
     path.mkdir()
     git(path, "init", "-q")
     git(path, "config", "user.name", "Bisect Test")
     git(path, "config", "user.email", "bisect@example.com")
     git(path, "config", "commit.gpgsign", "false")
+
+
+def commit_all(path: Path, message: str) -> str:
+    """Commit everything in the work tree; the new commit's hash."""
+    git(path, "add", "-A")
+    git(path, "commit", "-q", "-m", message)
+    return git(path, "rev-parse", "HEAD")
+
+
+def make_repo(path: Path, states: list[str]) -> list[str]:
+    """A repository with one commit per state ('good', 'bad', 'broken'); returns the commit hashes."""
+    new_repo(path)
     (path / "pkg").mkdir()
     (path / "tests").mkdir()
     (path / "tests" / "test_pkg.py").write_text(TESTS)
@@ -51,9 +63,7 @@ def make_repo(path: Path, states: list[str]) -> list[str]:
     for i, state in enumerate(states):
         (path / "pkg" / "__init__.py").write_text(PKG[state])
         (path / "VERSION").write_text(f"{i}\n")
-        git(path, "add", "-A")
-        git(path, "commit", "-q", "-m", f"commit {i}: {state}")
-        hashes.append(git(path, "rev-parse", "HEAD"))
+        hashes.append(commit_all(path, f"commit {i}: {state}"))
     return hashes
 
 
@@ -237,11 +247,7 @@ REGRESSION = "unit/numpy/int4_sym_g128/rmsnorm: worst error grew from 1.2x to 9x
 def make_ladder_repo(path: Path, states: list[str]) -> list[str]:
     """A repository whose `python -m ladder` is FAKE_LADDER, one commit per state ('green', 'regressed'
     (every test green, an op's error grown: exit 1), 'broken' (the harness broke: exit 3))."""
-    path.mkdir()
-    git(path, "init", "-q")
-    git(path, "config", "user.name", "Bisect Test")
-    git(path, "config", "user.email", "bisect@example.com")
-    git(path, "config", "commit.gpgsign", "false")
+    new_repo(path)
     (path / "ladder").mkdir()
     (path / "ladder" / "__init__.py").write_text("")
     (path / "ladder" / "__main__.py").write_text(FAKE_LADDER.replace("REGRESSION", repr(REGRESSION)))
@@ -249,9 +255,7 @@ def make_ladder_repo(path: Path, states: list[str]) -> list[str]:
     for i, state in enumerate(states):
         (path / "STATE").write_text(f"{state}\n")
         (path / "VERSION").write_text(f"{i}\n")
-        git(path, "add", "-A")
-        git(path, "commit", "-q", "-m", f"commit {i}: {state}")
-        hashes.append(git(path, "rev-parse", "HEAD"))
+        hashes.append(commit_all(path, f"commit {i}: {state}"))
     return hashes
 
 

@@ -198,16 +198,21 @@ LAST_LINEAR = "model.layers.1.mlp.down_proj.weight"  # the last tensor written: 
 F16_BITS = {"nan": 0x7E00, "inf": 0x7C00, "-inf": 0xFC00}
 
 
-def plant(folder: Path, tensor: str, index: tuple[int, ...], value: str) -> None:
-    """Overwrite one element of an fp16 tensor in the folder's model.safetensors with NaN or an infinity."""
+def overwrite(folder: Path, tensor: str, index: tuple[int, ...], dtype: str, element: bytes) -> None:
+    """Overwrite one element of a `dtype` tensor in the folder's model.safetensors with `element`'s bytes."""
     path = folder / "model.safetensors"
     raw = bytearray(path.read_bytes())
     (n,) = struct.unpack("<Q", raw[:8])
     meta = json.loads(raw[8: 8 + n])[tensor]
-    assert meta["dtype"] == "F16"
-    at = 8 + n + meta["data_offsets"][0] + 2 * int(np.ravel_multi_index(index, meta["shape"]))
-    raw[at: at + 2] = struct.pack("<H", F16_BITS[value])
+    assert meta["dtype"] == dtype
+    at = 8 + n + meta["data_offsets"][0] + len(element) * int(np.ravel_multi_index(index, meta["shape"]))
+    raw[at: at + len(element)] = element
     path.write_bytes(bytes(raw))
+
+
+def plant(folder: Path, tensor: str, index: tuple[int, ...], value: str) -> None:
+    """Overwrite one element of an fp16 tensor in the folder's model.safetensors with NaN or an infinity."""
+    overwrite(folder, tensor, index, "F16", struct.pack("<H", F16_BITS[value]))
 
 
 def refuse(argv: list[str], folder: Path, capsys, monkeypatch) -> str:
@@ -374,14 +379,7 @@ def broken32(fp32_hf, tmp_path):
 
 def plant_f32(folder: Path, tensor: str, index: tuple[int, ...], value: float) -> None:
     """Overwrite one element of an fp32 tensor in the folder's model.safetensors with `value`."""
-    path = folder / "model.safetensors"
-    raw = bytearray(path.read_bytes())
-    (n,) = struct.unpack("<Q", raw[:8])
-    meta = json.loads(raw[8: 8 + n])[tensor]
-    assert meta["dtype"] == "F32"
-    at = 8 + n + meta["data_offsets"][0] + 4 * int(np.ravel_multi_index(index, meta["shape"]))
-    raw[at: at + 4] = struct.pack("<f", value)
-    path.write_bytes(bytes(raw))
+    overwrite(folder, tensor, index, "F32", struct.pack("<f", value))
 
 
 @pytest.mark.parametrize("command", ["convert", "ladder"])
