@@ -294,12 +294,13 @@ def _parse_step(line: str) -> Step | None:
 
 def baseline_report(baseline) -> tuple[str, dict]:
     """The --baseline folder, absolute (each revision's ladder runs from the worktree), and its report."""
+    from ladder.report import load  # the ladder's own reading of a report folder, as `ladder --baseline` uses
+
     folder = Path(baseline).expanduser().resolve()
     try:
-        rep = json.loads((folder / "report.json").read_text())
+        rep = load(folder)
     except (OSError, ValueError) as e:
-        why = "no report.json" if isinstance(e, FileNotFoundError) else f"report.json unreadable ({e})"
-        raise BisectError(f"--baseline {baseline}: {why} (is it a `nanoqwen ladder` report folder?)") from None
+        raise BisectError(f"--baseline {baseline}: {e}") from None
     if not isinstance(rep, dict):
         raise BisectError(f"--baseline {baseline}: report.json is not a ladder report")
     return str(folder), rep
