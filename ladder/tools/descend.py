@@ -153,9 +153,9 @@ class DescendArgumentError(NanoqwenError):
     """A `nanoqwen descend` argument that names nothing usable (one line, exit 2)."""
 
 
-def model_for(spec: str | None, quant: str | None) -> Path:
-    """The .nanoqwen file to descend: the default model or an HF folder converted to `quant` (None: the
-    default format), or a .nanoqwen file as it is, which must then be in `quant` when one is given."""
+def model_for(spec: str | None, quant: str | None) -> tuple[Path, str]:
+    """(the .nanoqwen file to descend, its format): the default model or an HF folder converted to `quant`
+    (None: the default format), or a .nanoqwen file as it is, which must then be in `quant` when one is given."""
     from engine.formats import DEFAULT_FORMAT, FORMATS
     from engine.resolve import resolve_model
 
@@ -167,8 +167,8 @@ def model_for(spec: str | None, quant: str | None) -> Path:
         if quant not in (None, own):  # a file's weights are already rounded: it cannot become another format
             raise DescendArgumentError(f"--model {spec} is quantized as {own}, not {quant}; give its Hugging Face "
                                        f"folder to descend in {quant}, or leave --quant out to descend in {own}")
-        return Path(spec)
-    return resolve_model(spec, quant or DEFAULT_FORMAT)
+        return Path(spec), own
+    return resolve_model(spec, quant or DEFAULT_FORMAT), quant or DEFAULT_FORMAT
 
 
 def backends_to_check(chosen: str | None) -> tuple[list[str], list[str]]:
@@ -196,14 +196,12 @@ def cmd_descend(args) -> int:
     from engine.resolve import prompt_ids
 
     out = check_output_folder(args.out)  # refused before the descent, not after it
-    path = model_for(args.model, args.quant)
+    path, quant = model_for(args.model, args.quant)
     backends, left_out = backends_to_check(args.backend)
     ids, _ = prompt_ids(path, None if args.prompt_ids else args.prompt, args.prompt_ids)
     if len(ids) < 2:
         raise SystemExit("nanoqwen: error: descend needs a prompt of at least 2 tokens (a prefill and a decode step)")
     out.mkdir(parents=True, exist_ok=True)
-    with ModelFile(path) as mf:
-        quant = mf.quant
     print(f"descend: checking backend{'s' if len(backends) > 1 else ''} {', '.join(backends)} in format {quant}"
           + (f"; not {'; '.join(left_out)}: cannot run here" if left_out else ""), flush=True)
     results, charts = {}, []
