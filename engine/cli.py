@@ -47,49 +47,7 @@ COMMANDS = {
 }
 
 
-_bar = {"open": False}  # whether a progress bar's line on stderr is still unfinished
-
-
-def progress_bar(label: str, min_interval: float = 0.1):
-    """A progress callback `show(i, n, name)` on stderr; `end_progress_line` finishes an open bar.
-
-    On a terminal: one line redrawn in place, at most every `min_interval` seconds and at the end. Into a
-    file or a pipe (CI logs, a test's captured stderr): a plain line at each quarter, never a wall of
-    carriage returns.
-    """
-    start = time.perf_counter()
-    tty = sys.stderr.isatty()
-    state = {"drawn": 0.0, "quarter": -1}
-
-    def show(i: int, n: int, name: str) -> None:
-        now = time.perf_counter()
-        elapsed = now - start
-        if not tty:
-            quarter = 4 * i // max(n, 1)
-            if quarter > state["quarter"]:
-                state["quarter"] = quarter
-                sys.stderr.write(f"{label}: {i}/{n} tensors, {elapsed:.1f}s\n")
-                sys.stderr.flush()
-            return
-        if i < n and now - state["drawn"] < min_interval:
-            return
-        state["drawn"] = now
-        width = 30
-        done = int(width * i / n)
-        sys.stderr.write(f"\r{label} [{'#' * done}{'.' * (width - done)}] {i}/{n} {elapsed:5.1f}s {name[-48:]:<48}")
-        _bar["open"] = i < n
-        if i == n:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
-
-    return show
-
-
-def end_progress_line() -> None:
-    """Start a fresh stderr line if a progress bar left one unfinished (before an error message)."""
-    if _bar["open"]:
-        _bar["open"] = False
-        sys.stderr.write("\n")
+from engine.progress import end_progress_line, progress_bar  # noqa: F401  (the commands' bars)
 
 
 # --- argument types: a bad value is one line and exit 2, before any work ---------------------------

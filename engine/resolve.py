@@ -64,7 +64,7 @@ def resolve_model(spec: str | None, quant: str = DEFAULT_FORMAT, progress=True) 
 def _announced_bar(announcement: str):
     """A progress bar that writes `announcement` before its first step: a folder the converter refuses
     (every check runs before the first tensor is written) is one line on stderr, the error."""
-    from engine.cli import progress_bar
+    from engine.progress import progress_bar
 
     bar = progress_bar("convert")
     said = []

@@ -158,7 +158,7 @@ def test_a_conversion_on_the_way_to_generate_shows_its_progress(paths, tmp_path,
         assert "convert [" + "#" * 30 + "]" in err
     else:
         lines = [line for line in err.splitlines() if line.startswith("convert:")]
-        assert "\r" not in err and 2 <= len(lines) <= 5 and lines[-1].split()[1].split("/")[0] == lines[-1].split()[1].split("/")[1]
+        assert "\r" not in err and 2 <= len(lines) <= 5 and "left" not in lines[-1] and lines[-1].split()[1].split("/")[0] == lines[-1].split()[1].split("/")[1]
     assert [p.suffix for p in (tmp_path / "converted").iterdir()] == [".nanoqwen"]
 
 
