@@ -31,7 +31,6 @@ import json
 import os
 import re
 import sys
-import time
 
 from engine.errors import NanoqwenError
 from engine.formats import DEFAULT_FORMAT, FORMATS

@@ -92,20 +92,22 @@ class Reference:
 
 
 def reference_greedy(hf, prompt_ids, n_new: int) -> Reference:
-    """Greedy generation with transformers (float32, its own KV cache: one prefill, then a step per token)."""
+    """Greedy generation with transformers (float32, its own KV cache: one prefill, then a step per token),
+    on the device the model was built on."""
     import torch
+
+    from reference.hf import model_input
 
     logits = []
     with torch.no_grad():
-        out = hf(torch.tensor([list(prompt_ids)], dtype=torch.long), use_cache=True)
+        out = hf(model_input(hf, prompt_ids), use_cache=True)
         cache_kw = "cache" if "cache" in out else "past_key_values"  # transformers 5.x renamed it
         for i in range(n_new):
-            row = out.logits[0, -1].float().numpy().copy()
+            row = out.logits[0, -1].float().cpu().numpy().copy()
             logits.append(row)
             if i + 1 == n_new:
                 break
-            nxt = torch.tensor([[int(np.argmax(row))]], dtype=torch.long)
-            out = hf(nxt, use_cache=True, **{cache_kw: out[cache_kw]})
+            out = hf(model_input(hf, [int(np.argmax(row))]), use_cache=True, **{cache_kw: out[cache_kw]})
     logits = np.stack(logits)
     return Reference(len(prompt_ids), np.argmax(logits, axis=-1), logits)
 
@@ -139,11 +141,18 @@ def spread_by_length(prompts, k: int = FLOOR_PROMPTS) -> list:
 
 def floor_logits(config: dict, weights: dict, prompt_ids, ref: Reference) -> np.ndarray:
     """The plain implementation's fp32 logits [N, V] at the reference's N new positions: one causal pass
-    of reference.model.ref_forward (fp32, fp16 storage) over the prompt and the reference's tokens."""
-    from reference.model import ref_forward
-
+    over the prompt and the reference's tokens of reference.model.ref_forward (fp32, fp16 storage), or
+    of its torch reading reference.torch_model.plain_forward where the weights are torch tensors (on the
+    GPU the HF simulation runs on: fixtures/dequantized.py)."""
     ids = [int(t) for t in prompt_ids] + [int(t) for t in ref.tokens[:-1]]
-    logits = ref_forward(config, weights, ids, dtype=np.float32, storage=np.float16)
+    if isinstance(weights["model.embed_tokens.weight"], np.ndarray):
+        from reference.model import ref_forward
+
+        logits = ref_forward(config, weights, ids, dtype=np.float32, storage=np.float16)
+    else:
+        from reference.torch_model import plain_forward
+
+        logits = plain_forward(config, weights, ids)
     return logits[len(prompt_ids) - 1:]
 
 
@@ -214,10 +223,11 @@ def bounds_from_floor(floor: float, ref_scale: float, floor_q999: float | None =
                        float(spread))
 
 
-def derive_bounds(config: dict, weights: dict, runs) -> GraphBounds:
+def derive_bounds(config: dict, weights: dict, runs, progress=None) -> GraphBounds:
     """The bounds of one model from its floor, measured on `runs`: (prompt id, prompt ids, Reference)
-    triples (the floor prompts, each with the HF simulation's greedy run on it)."""
-    return bounds_from_measurement(measure_floor(config, weights, runs))
+    triples (the floor prompts, each with the HF simulation's greedy run on it). `progress(i, n, id)`
+    after each floor prompt."""
+    return bounds_from_measurement(measure_floor(config, weights, runs, progress))
 
 
 @dataclass
@@ -232,9 +242,10 @@ class FloorMeasurement:
     spread: float  # median over positions of the std of the reference logits
 
 
-def measure_floor(config: dict, weights: dict, runs) -> FloorMeasurement:
+def measure_floor(config: dict, weights: dict, runs, progress=None) -> FloorMeasurement:
     diffs, scale, ids, margins, flipped, stds = [], 0.0, [], [], [], []
-    for prompt_id, prompt_ids, ref in runs:
+    runs = list(runs)
+    for i, (prompt_id, prompt_ids, ref) in enumerate(runs):
         fl = floor_logits(config, weights, prompt_ids, ref).astype(np.float64)
         diffs.append(np.abs(fl - ref.logits.astype(np.float64)).ravel())
         scale = max(scale, float(np.abs(ref.logits).max()))
@@ -242,6 +253,8 @@ def measure_floor(config: dict, weights: dict, runs) -> FloorMeasurement:
         margins.append(ref.margins)
         flipped.append(np.argmax(fl, axis=-1) != ref.tokens)
         stds.append(ref.logits.astype(np.float64).std(axis=-1))
+        if progress:
+            progress(i + 1, len(runs), str(prompt_id))
     if not diffs:
         raise ValueError("the graph rung's floor needs at least one prompt")
     d = np.concatenate(diffs)

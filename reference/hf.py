@@ -3,7 +3,13 @@
 `hf_model(config, weights)` is the "HF simulation": `Qwen2ForCausalLM` with the same dequantized
 ("fake-quantized") weights the engine runs, so the graph rung compares kernels, not quantization.
 `hf_decoder_layer(config, weights, layer)` is one `Qwen2DecoderLayer` for the layer rung. Weights come
-in as a dict of HF names to float arrays; nothing here imports engine/ or kernels/.
+in as a dict of HF names to float arrays, or to float32 torch tensors already on the device the model
+runs on; nothing here imports engine/ or kernels/.
+
+Where it runs (`model_device`): on the GPU when torch sees one, on the CPU otherwise, float32 either way
+with TF32 off (`NANOQWEN_REFERENCE_DEVICE=cpu|cuda` forces one). The GPU sums in another order than the
+host's BLAS: a float32 rounding difference, orders of magnitude inside the fp16 noise the rungs' floors
+measure (ladder/unit/test_gpu_references.py proves it on two models).
 """
 
 from __future__ import annotations
@@ -35,10 +41,30 @@ def hf_config(config: dict):
     return cfg
 
 
-def _as_tensor(a):
-    """A float32 torch tensor of `a`: the same memory when `a` is already a writable C-ordered float32
-    array (no copy), else a float32 copy."""
+def model_device() -> str:
+    """"cuda" when torch sees a GPU (TF32 then switched off for the process), else "cpu";
+    NANOQWEN_REFERENCE_DEVICE=cpu|cuda overrides."""
+    import os
+
     torch = _torch()
+    forced = os.environ.get("NANOQWEN_REFERENCE_DEVICE", "").strip().lower()
+    if forced not in ("", "cpu", "cuda"):
+        raise ValueError(f"NANOQWEN_REFERENCE_DEVICE={forced!r}: expected cpu or cuda")
+    device = forced or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("NANOQWEN_REFERENCE_DEVICE=cuda, but torch sees no GPU")
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    return device
+
+
+def _as_tensor(a):
+    """A float32 torch tensor of `a`: `a` itself when it is already a float32 torch tensor (on any device);
+    the same memory when `a` is a writable C-ordered float32 array (no copy); else a float32 copy."""
+    torch = _torch()
+    if isinstance(a, torch.Tensor):
+        return a if a.dtype == torch.float32 else a.float()
     a = np.asarray(a)
     if a.dtype == np.float32 and a.flags.c_contiguous and a.flags.writeable:
         return torch.from_numpy(a)
@@ -48,7 +74,7 @@ def _as_tensor(a):
 def _load(module, weights: dict, prefix: str = "", assign: bool = False):
     """Put `weights` (HF names, `prefix` stripped) into `module`. With `assign` the module's parameters
     become the given arrays' own memory (see hf_model); without, they are copied into its parameters."""
-    state = {k[len(prefix):]: _as_tensor(v) for k, v in weights.items() if k.startswith(prefix)}
+    state = {k[len(prefix):]: _as_tensor(weights[k]) for k in weights if k.startswith(prefix)}
     missing, unexpected = module.load_state_dict(state, strict=False, assign=assign)
     missing = [m for m in missing if "rotary_emb" not in m and not m.endswith("lm_head.weight")]
     if missing or unexpected:
@@ -56,13 +82,14 @@ def _load(module, weights: dict, prefix: str = "", assign: bool = False):
 
 
 def hf_model(config: dict, weights: dict):
-    """Qwen2ForCausalLM in float32, eval mode, with the given (dequantized) weights.
+    """Qwen2ForCausalLM in float32, eval mode, with the given (dequantized) weights, on their device.
 
     One float32 copy of the weights in memory, not three: the module is built on the meta device (no
-    storage, no random init) and its parameters are the arrays of `weights` themselves wherever they
-    are writable C-ordered float32 (fixtures/dequantized.py's are), copies otherwise. The model and the
-    dict then share memory: neither may be written afterwards (nothing in the ladder writes either).
-    The rotary embedding's buffers, which are computed rather than loaded, are built on the CPU.
+    storage, no random init) and its parameters are the tensors of `weights` themselves where they are
+    float32 torch tensors (fixtures/dequantized.py's on a GPU) or writable C-ordered float32 arrays
+    (its host ones), copies otherwise. The model and the dict then share memory: neither may be written
+    afterwards (nothing in the ladder writes either). The rotary embedding's buffers, which are computed
+    rather than loaded, are built on the weights' device.
     """
     torch = _torch()
     from transformers import Qwen2ForCausalLM
@@ -72,7 +99,8 @@ def hf_model(config: dict, weights: dict):
     with torch.device("meta"):
         model = Qwen2ForCausalLM(cfg).float()
     _load(model, weights, assign=True)
-    with torch.device("cpu"):
+    device = model.model.embed_tokens.weight.device
+    with torch.device(device):
         model.model.rotary_emb = Qwen2RotaryEmbedding(config=cfg)
     if config.get("tie_word_embeddings"):
         model.tie_weights()
@@ -93,12 +121,18 @@ def hf_decoder_layer(config: dict, weights: dict, layer: int):
     return block, rope
 
 
+def model_input(model, ids):
+    """Token ids as the [1, T] long tensor `model` takes, on its device."""
+    torch = _torch()
+    return torch.tensor([[int(t) for t in ids]], dtype=torch.long, device=model.model.embed_tokens.weight.device)
+
+
 def hf_logits(model, ids) -> np.ndarray:
     """float32 logits [len(ids), vocab] of one full forward pass (no cache)."""
     torch = _torch()
     with torch.no_grad():
-        out = model(torch.tensor([list(ids)], dtype=torch.long), use_cache=False)
-    return out.logits[0].float().numpy()
+        out = model(model_input(model, ids), use_cache=False)
+    return out.logits[0].float().cpu().numpy()
 
 
 GPU_BLOCK_HIDDEN = 2048  # from this hidden size on, a block's reference runs on a GPU where torch has one
@@ -108,12 +142,7 @@ def reference_device(config: dict) -> str:
     """Where a block's float32 reference runs: "cuda" for a large block (the 7B shape: 14 s on 2 host cores,
     milliseconds on a GPU) when torch sees a GPU, else "cpu". Float32 either way, TF32 off: another order of
     float32 sums, well inside the fp16 noise the rung's floor measures."""
-    torch = _torch()
-    if config["hidden_size"] >= GPU_BLOCK_HIDDEN and torch.cuda.is_available():
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
-        return "cuda"
-    return "cpu"
+    return model_device() if config["hidden_size"] >= GPU_BLOCK_HIDDEN else "cpu"
 
 
 def hf_block_outputs(config: dict, weights: dict, layer: int, x: np.ndarray):
@@ -167,8 +196,8 @@ def hf_layer_states(model, ids) -> list[tuple[np.ndarray, np.ndarray]]:
             lambda mod, args, out, i=i: states[i].__setitem__(1, (out[0] if isinstance(out, tuple) else out).detach())))
     try:
         with torch.no_grad():
-            model(torch.tensor([list(ids)], dtype=torch.long), use_cache=False)
+            model(model_input(model, ids), use_cache=False)
     finally:
         for h in hooks:
             h.remove()
-    return [(a[0].double().numpy(), b[0].double().numpy()) for a, b in states]
+    return [(a[0].double().cpu().numpy(), b[0].double().cpu().numpy()) for a, b in states]

@@ -47,6 +47,7 @@ from ladder.reference_store import KeptReferences, bounds_key, load_or_derive
 from ladder.compare import rerun_command
 from ladder.tokens import (GraphBounds, compare_greedy, derive_bounds, engine_logits, spread_by_length,
                            reference_greedy, tokens_to_generate)
+from engine.progress import Progress, progress_bar
 from fixtures.dequantized import dequantized_weights
 
 
@@ -70,22 +71,32 @@ def prompts(request, model_path):
 
 
 class ReferenceRuns:
-    """The HF simulation of one model, built on first use; each prompt's greedy run computed once on this
-    machine and kept (ladder/reference_store.py KeptReferences)."""
+    """The HF simulation of one model, built on first use on the reference's device (reference/hf.py
+    `model_device`: the GPU where torch sees one); each prompt's greedy run computed once on this
+    machine and kept (ladder/reference_store.py KeptReferences). Building it and the runs it computes
+    print progress lines with the time left (engine/progress.py: through the ladder's progress folder,
+    since a worker's stderr is captured)."""
 
-    def __init__(self, model_path, new_tokens: int | None = None):
+    def __init__(self, model_path, new_tokens: int | None = None, prompts: int | None = None):
         self.model_path = model_path
         self.new_tokens = new_tokens  # --new-tokens, else each prompt's new_tokens_for
         self.config = self.weights = None  # the dequantized weights, shared with the floor
         self._hf = None
-        self._vocab = ModelFile(model_path, verify_checksums=False).config_dict["vocab_size"]
+        mf = ModelFile(model_path, verify_checksums=False)
+        self._vocab = mf.config_dict["vocab_size"]
+        self.label = f"{mf.quant}"
         self._kept = KeptReferences(model_path)
         self._runs = {}
+        self._progress = Progress(f"HF simulation [{self.label}]", prompts, "prompts run")
 
     def dequantized(self) -> tuple[dict, dict]:
-        """(config dict, HF name -> float32 weights): what the simulation and the floor's plain forward read."""
+        """(config dict, HF name -> float32 weights): what the simulation and the floor's plain forward
+        read; torch tensors on the GPU when the reference runs there (one copy, shared by both)."""
         if self.weights is None:
-            self.config, self.weights = dequantized_weights(self.model_path)
+            from reference.hf import model_device
+
+            bar = progress_bar(f"HF simulation [{self.label}]: dequantizing", unit="tensors")
+            self.config, self.weights = dequantized_weights(self.model_path, device=model_device(), progress=bar)
         return self.config, self.weights
 
     def model(self):
@@ -95,17 +106,22 @@ class ReferenceRuns:
             config, weights = self.dequantized()
             self._hf = hf_model(config, weights)
             workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-            params = sum(w.size for w in weights.values())
+            params = sum(w.numel() if hasattr(w, "numel") else w.size for w in weights.values())
             # A small model's ops are too short to split across threads (on a busy 2-core machine two
             # threads ran the default model's reference 8x slower than one); a large one shares the
-            # cores among the xdist workers instead of oversubscribing them.
+            # cores among the xdist workers instead of oversubscribing them. (On a GPU: the launches' thread.)
             self._threads = 1 if params < SMALL_MODEL_PARAMS else max(1, (os.cpu_count() or 1) // workers)
         return self._hf
 
     def release(self) -> None:
         """Drop the HF simulation and its weights, keep the runs made (rebuilt if a new prompt needs it)."""
+        gpu = self.weights is not None and not isinstance(next(iter(self.weights.values())), np.ndarray)
         self._hf = None
         self.config = self.weights = None
+        if gpu:
+            import torch
+
+            torch.cuda.empty_cache()  # the float32 copy goes back to the device, for the next format's
 
     def get(self, prompt):
         if prompt.id not in self._runs:
@@ -127,6 +143,7 @@ class ReferenceRuns:
             return reference_greedy(hf, ids, n_new)
         finally:
             torch.set_num_threads(before)
+            self._progress.step()
 
 
 # A worker that runs several formats' tests (pytest-xdist hands them out in chunks) switches the
@@ -142,7 +159,8 @@ _BOUNDS: dict[tuple, GraphBounds] = {}
 def references(request, model_path):
     key = (str(model_path), request.config.getoption("--new-tokens"))
     if key not in _REFERENCES:
-        _REFERENCES[key] = ReferenceRuns(model_path, request.config.getoption("--new-tokens"))
+        _REFERENCES[key] = ReferenceRuns(model_path, request.config.getoption("--new-tokens"),
+                                         prompts=len(read_prompt_ids(prompts_file(request.config))))
     yield _REFERENCES[key]
     _REFERENCES[key].release()
 
@@ -157,7 +175,8 @@ def bounds(request, model_path, prompts, references):
 
         def derive():
             runs = [(p.id, p.ids, references.get(p)) for p in chosen]
-            return derive_bounds(*references.dequantized(), runs)
+            bar = progress_bar(f"graph bounds [{references.label}]: the floor", unit="floor prompts")
+            return derive_bounds(*references.dequantized(), runs, progress=bar)
 
         # measured once per model by one worker, kept for the others and for later runs (ladder/reference_store.py)
         _BOUNDS[key] = load_or_derive(bounds_key(model_path, chosen, new_tokens), derive)
