@@ -1,10 +1,11 @@
 """Hugging Face checkpoint folder -> .nanoqwen: a shape-checking copy that quantizes the linears.
 
 Reads `config.json` and `model.safetensors` (or the shards a `model.safetensors.index.json` lists, as
-`save_pretrained` writes them) in bf16, fp16 or fp32, one tensor at a time, so memory stays near one
-tensor's size. The seven linears of each layer go through the chosen format's `quantize`; embeddings,
-norms, biases and lm_head are stored fp16. `tokenizer.json`, when the folder has one, travels inside
-the file. Writing goes through a temporary file and a rename (engine/modelfile.py, engine/outpath.py).
+`save_pretrained` writes them) in bf16, fp16 or fp32, a tensor at a time on each worker thread, so
+memory stays near a few tensors' size per thread. The seven linears of each layer go through the
+chosen format's `quantize`; embeddings, norms, biases and lm_head are stored fp16. `tokenizer.json`,
+when the folder has one, travels inside the file. Writing goes through a temporary file and a rename
+(engine/modelfile.py, engine/outpath.py).
 
 Everything that can be checked is checked before the first tensor is read: the output path, the
 config's values (type and sign, by key), every safetensors header entry (dtype, shape, data offsets
@@ -22,6 +23,14 @@ overflow. The scan reads each tensor's raw bits once, a chunk at a time, before 
 again to quantize or copy it; only a quantized tensor holding a value over 65504 is read again, and
 quantized, to find out (every shipped format's scale is at most max |W| / 7, so smaller values
 cannot overflow one).
+
+Both passes run on worker threads (NumPy releases the GIL in its array work): the scan checks several
+tensors at once, and the writer (engine/modelfile.py) reads and quantizes several while it writes,
+in the file's order, the ones already made; the file's bytes are those of a one-thread conversion,
+and at most two tensors per thread wait to be written. The threads are the cores, at most 16;
+NANOQWEN_CONVERT_THREADS=N sets them (1: the plain sequential loop). `progress(i, n, name)` counts
+the tensors written; when the scan runs longer than a second (a large checkpoint), its tensors count
+too, from its start, so a long scan shows its progress and a broken small checkpoint stays one line.
 """
 
 from __future__ import annotations
@@ -30,6 +39,8 @@ import json
 import math
 import mmap
 import struct
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +48,7 @@ import numpy as np
 from engine.config import Qwen2Config
 from engine.errors import ConfigError, NanoqwenError, OutputPathError, one_line
 from engine.formats import DEFAULT_FORMAT, get_format
-from engine.modelfile import PendingTensor, write_model
+from engine.modelfile import PendingTensor, ordered_map, worker_threads, write_model
 from engine.outpath import check_output_path
 from engine.weights import check_linears, linear_names, plain_tensor_specs
 
@@ -91,6 +102,7 @@ _ST_MAX_HEADER = 100 << 20  # the safetensors format's own limit on a header
 _ST_NONFINITE = {"BF16": ("<u2", 0x7F80, 0x007F), "F16": ("<u2", 0x7C00, 0x03FF),
                  "F32": ("<u4", 0x7F800000, 0x007FFFFF)}
 _SCAN_CHUNK = 64 << 20  # bytes per read of the finiteness scan (a multiple of every item size)
+SCAN_QUIET_S = 1.0  # a scan shorter than this shows no progress (a refused checkpoint: one line, the error)
 FLOAT16_MAX = 65504.0
 # dtype -> how far its bits sit below float32's (the same sign, exponent and top mantissa bits): the
 # dtypes whose finite values can exceed float16's range (an F16 checkpoint's cannot)
@@ -296,7 +308,9 @@ class SafetensorsFolder:
             raise CheckpointError(f"{path}: cannot read tensor {name} ({e})") from None
         shape = meta["shape"]
         if dtype == "BF16":
-            return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32).reshape(shape)
+            bits = raw.view("<u2").astype(np.uint32)
+            bits <<= 16  # in place: a 7B model's largest tensors are 2 GB as float32
+            return bits.view(np.float32).reshape(shape)
         return raw.view("<f2" if dtype == "F16" else "<f4").astype(np.float32).reshape(shape)
 
     def _scan(self, name: str, tests) -> list[tuple[int, int, int] | None]:
@@ -459,10 +473,12 @@ def _check_entry(path: Path, key: str, meta, data_size: int) -> None:
 # --- the conversion -----------------------------------------------------------------------------
 
 
-def convert(hf_dir, out_path, quant: str = DEFAULT_FORMAT, progress=None) -> Qwen2Config:
-    """Convert a Hugging Face Qwen2 folder; returns its config. `progress(i, n, name)` per tensor."""
+def convert(hf_dir, out_path, quant: str = DEFAULT_FORMAT, progress=None, threads: int | None = None) -> Qwen2Config:
+    """Convert a Hugging Face Qwen2 folder; returns its config. `progress(i, n, name)` per tensor (and
+    per tensor scanned, once the scan is slow); `threads` workers (None: `worker_threads()`)."""
     hf_dir = Path(hf_dir)
     out_path = check_output_path(out_path)
+    threads = worker_threads() if threads is None else max(1, int(threads))
     fmt = get_format(quant)
     config = read_config(hf_dir)
     try:
@@ -494,30 +510,50 @@ def convert(hf_dir, out_path, quant: str = DEFAULT_FORMAT, progress=None) -> Qwe
             scan.append((base + ".weight", quant))
             cache: dict = {}
 
-            def produce(suffix, base=base, cache=cache):
-                # One quantize per linear serves both of its tensors; drop it once both are written.
-                if base not in cache:
-                    try:
-                        cache[base] = fmt.quantize(st.read(base + ".weight"))
-                    except ValueError as e:  # check_values refused what it foresaw; anything else, typed
-                        raise CheckpointError(f"{st.entries[base + '.weight'][0]}: tensor {base}.weight: {e}") from None
-                t = cache[base].pop(suffix.lstrip("."))
-                if not cache[base]:
-                    del cache[base]
-                return t
+            def produce(suffix, base=base, cache=cache, lock=threading.Lock()):
+                # One quantize per linear serves both of its tensors; drop it once both are written. The
+                # writer produces a linear's tensors on one thread (their shared `group`); the lock keeps
+                # the quantize single whichever threads ask.
+                with lock:
+                    if base not in cache:
+                        try:
+                            cache[base] = fmt.quantize(st.read(base + ".weight"))
+                        except ValueError as e:  # check_values refused what it foresaw; anything else, typed
+                            raise CheckpointError(
+                                f"{st.entries[base + '.weight'][0]}: tensor {base}.weight: {e}") from None
+                    t = cache[base].pop(suffix.lstrip("."))
+                    if not cache[base]:
+                        del cache[base]
+                    return t
 
             for suffix, (dtype, shape) in fmt.tensor_specs(out_f, in_f).items():
-                pending.append(PendingTensor(base + suffix, dtype, shape, lambda s=suffix, p=produce: p(s)))
+                pending.append(PendingTensor(base + suffix, dtype, shape, lambda s=suffix, p=produce: p(s), group=base))
 
     tok = hf_dir / "tokenizer.json"
     inputs = {hf_dir / "config.json", hf_dir / INDEX, tok, *(p for p, _, _ in st.entries.values())}
     if any(out_path.resolve() == p.resolve() for p in inputs if p.exists()):
         raise OutputPathError(out_path, "is one of the checkpoint's own files; write the model elsewhere")
     files = {"tokenizer.json": read_tokenizer(tok)} if tok.exists() else {}
-    for name, fmt_name in scan:  # before the temporary file: a broken checkpoint leaves nothing behind
-        st.check_values(name, fmt_name)
-    write_model(out_path, config.to_hf_dict(), quant, pending, files=files, progress=progress)
+    # Before the temporary file: a broken checkpoint leaves nothing behind.
+    scanned = check_all_values(st, scan, threads, progress, len(pending))
+    write = None if progress is None else (lambda i, n, name: progress(scanned + i, scanned + n, name))
+    write_model(out_path, config.to_hf_dict(), quant, pending, files=files, progress=write, threads=threads)
     return config
+
+
+def check_all_values(st: SafetensorsFolder, scan: list[tuple[str, str | None]], threads: int, progress=None,
+                     then: int = 0) -> int:
+    """`st.check_values` of every (tensor, format) in `scan`, on `threads` threads; raises the error of
+    the first refused tensor in `scan`'s order, as a plain loop would. Once the scan has run
+    SCAN_QUIET_S, `progress(i, len(scan) + then, "check " + tensor)` counts it (`then`: the steps that
+    follow it); returns how many steps it counted (0 when it said nothing)."""
+    start, said = time.perf_counter(), False
+    with ordered_map(lambda item: st.check_values(*item), scan, threads, ahead=len(scan)) as checked:
+        for i, _ in enumerate(checked):
+            said = said or (progress is not None and time.perf_counter() - start >= SCAN_QUIET_S)
+            if said:
+                progress(i + 1, len(scan) + then, "check " + scan[i][0])
+    return len(scan) if said else 0
 
 
 def read_tokenizer(path: Path) -> bytes:

@@ -10,10 +10,18 @@ The reader trusts nothing: every malformed case raises its own `ModelFileError` 
 file and the problem, before a tensor is handed out. The writer writes a temporary file named after
 its process (engine/outpath.py) and renames it over `PATH`, so a crash never leaves a half-written
 model under the real name, and a killed writer's leftover is removed by the next writer.
+
+The writer produces tensors on `threads` worker threads (NumPy releases the GIL in its array work, so
+the quantization of a 7B model's linears spreads over the cores) and writes them, from the calling
+thread, in the file's order: the bytes are those of a one-thread write, and at most a few tensors per
+worker are produced and not yet written (`ordered_map`). `worker_threads()` is the converter's count:
+the cores, at most 16, or NANOQWEN_CONVERT_THREADS.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import json
 import math
 import mmap
@@ -21,9 +29,10 @@ import os
 import re
 import struct
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator, TypeVar
 
 import numpy as np
 
@@ -53,17 +62,88 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+# --- worker threads -----------------------------------------------------------------------------
+
+THREADS_VARIABLE = "NANOQWEN_CONVERT_THREADS"
+MAX_THREADS = 16  # past this, a conversion waits on the disk and memory, not on the cores
+
+
+class ThreadCountError(E.NanoqwenError):
+    """NANOQWEN_CONVERT_THREADS set to something other than a positive integer."""
+
+
+def worker_threads() -> int:
+    """How many threads produce tensors: NANOQWEN_CONVERT_THREADS if set, else the cores this process may
+    run on, at most 16."""
+    text = os.environ.get(THREADS_VARIABLE, "").strip()
+    if not text:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        return max(1, min(cores or 1, MAX_THREADS))
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ThreadCountError(f"{THREADS_VARIABLE} is {E.brief(text)}; give a positive integer (the "
+                               f"conversion's worker threads)")
+    return n
+
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+@contextlib.contextmanager
+def ordered_map(fn: Callable[[T], R], items: Iterable[T], threads: int,
+                ahead: int | None = None) -> Iterator[Iterator[R]]:
+    """`with ordered_map(fn, items, threads) as results:` `fn(item)` for each item, in the items' order,
+    computed on `threads` worker threads (one thread: in the caller's, as a plain loop).
+
+    At most `ahead` items (twice the threads by default) are submitted and not yet taken, so memory
+    stays near that many results however long `items` is. An exception from `fn` is raised when its
+    item's turn comes (the earlier items' results were all handed out, as in a plain loop); leaving the
+    block, normally or not (an error, Ctrl-C, SIGTERM made an exception), cancels the items not started
+    and waits for the running ones, so no thread outlives it."""
+    if threads <= 1:
+        yield (fn(item) for item in items)
+        return
+    ahead = max(1, ahead or 2 * threads)
+    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="nanoqwen-worker")
+    pending: collections.deque = collections.deque()
+
+    def results():
+        source = iter(items)
+        for item in source:
+            pending.append(pool.submit(fn, item))
+            if len(pending) >= ahead:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+
+    try:
+        yield results()
+    finally:
+        for future in pending:
+            future.cancel()
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
 # --- writing ------------------------------------------------------------------------------------
 
 
 @dataclass
 class PendingTensor:
-    """A tensor to write: its table entry is known up front, its data is produced when written."""
+    """A tensor to write: its table entry is known up front, its data is produced when written.
+
+    Consecutive tensors with the same `group` (not None) are produced by one thread, one after the
+    other, in the file's order: the tensors one computation makes together (a quantized linear's
+    qweight and scales) share it, so that no worker waits on another's half of the work."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
     produce: Callable[[], np.ndarray]
+    group: object = None
 
     @property
     def length(self) -> int:
@@ -71,12 +151,15 @@ class PendingTensor:
 
 
 def write_model(path, config: dict, quant: str, tensors: Iterable[PendingTensor],
-                files: dict[str, bytes] | None = None, progress=None) -> None:
-    """Write a .nanoqwen file atomically. `progress(i, n, name)` is called after each tensor.
+                files: dict[str, bytes] | None = None, progress=None, threads: int = 1) -> None:
+    """Write a .nanoqwen file atomically. `progress(i, n, name)` is called after each tensor is written,
+    from the calling thread.
 
     An output path that cannot be written is an OutputPathError before any tensor is produced. The
     data goes to a temporary file (engine/outpath.py) renamed over `path` at the end; an error, Ctrl-C
     or SIGTERM removes it, and stale ones a killed writer left in the folder are removed first.
+    `threads` worker threads produce the tensors (and their checksums); the file's bytes do not depend
+    on how many.
     """
     from engine.outpath import check_output_path, open_temp, remove_stale_temp_files, removing_on_termination, temp_path
 
@@ -119,19 +202,22 @@ def write_model(path, config: dict, quant: str, tensors: Iterable[PendingTensor]
         except OSError as e:
             raise E.OutputPathError(path, f"cannot write {tmp.name} ({e.strerror or e})") from None
 
+    def produce(group: list[int]):  # on a worker thread: the group's bytes and their checksums
+        return group, [_produced_bytes(tensors[i]) for i in group]
+
     with removing_on_termination():
         try:
             with open_temp(tmp, path) as f:
                 put(f, 0, b"\0" * data_start)
-                for i, (t, entry) in enumerate(zip(tensors, table)):
-                    arr = np.ascontiguousarray(t.produce(), dtype=DTYPES[t.dtype])
-                    if tuple(arr.shape) != tuple(t.shape):
-                        raise ValueError(f"tensor {t.name}: produced shape {arr.shape}, declared {t.shape}")
-                    data = arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
-                    put(f, entry["offset"], data)
-                    entry["checksum"] = checksum(data)
-                    if progress:
-                        progress(i + 1, len(tensors), t.name)
+                written = 0
+                with ordered_map(produce, _groups(tensors), threads) as produced:
+                    for group, results in produced:
+                        for i, (data, crc) in zip(group, results):
+                            put(f, table[i]["offset"], data)
+                            table[i]["checksum"] = crc
+                            written += 1
+                            if progress:
+                                progress(written, len(tensors), tensors[i].name)
                 for entry in file_table:
                     data = files[entry["name"]]
                     put(f, entry["offset"], data)
@@ -153,6 +239,26 @@ def write_model(path, config: dict, quant: str, tensors: Iterable[PendingTensor]
                 tmp.unlink()
             except FileNotFoundError:
                 pass
+
+
+def _groups(tensors: list[PendingTensor]) -> list[list[int]]:
+    """The tensors' indices, consecutive ones of one `group` together (each other tensor alone)."""
+    groups: list[list[int]] = []
+    for i, t in enumerate(tensors):
+        if groups and t.group is not None and tensors[groups[-1][-1]].group == t.group:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def _produced_bytes(t: PendingTensor):
+    """(the tensor's little-endian bytes, as an array viewing them, and their checksum)."""
+    arr = np.ascontiguousarray(t.produce(), dtype=DTYPES[t.dtype])
+    if tuple(arr.shape) != tuple(t.shape):
+        raise ValueError(f"tensor {t.name}: produced shape {arr.shape}, declared {t.shape}")
+    data = arr.astype(arr.dtype.newbyteorder("<"), copy=False).reshape(-1).view(np.uint8)
+    return data, checksum(data)
 
 
 def _layout(tensors, files, start, placeholder):
