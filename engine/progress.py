@@ -43,9 +43,9 @@ def duration(seconds: float) -> str:
 def progress_text(label: str, done: float, total: float | None, elapsed: float, unit: str = "") -> str:
     """`label: done/total unit, elapsed, about T left` (no estimate before the first step or without a total)."""
     unit = f" {unit}" if unit else ""
-    if total:
+    if total and done <= total:  # past an estimated total, the count alone
         text = f"{label}: {_num(done)}/{_num(total)}{unit}, {duration(elapsed)}"
-        if 0 < done < total:
+        if 0 < done < total and elapsed >= 1.0:  # before a second has passed, the rate says little
             text += f", about {duration(elapsed * (total - done) / done)} left"
         return text
     return f"{label}: {_num(done)}{unit}, {duration(elapsed)}"

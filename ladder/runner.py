@@ -78,16 +78,29 @@ def worker_count(args, rung: str) -> str:
     """`-n`: what the user gave; for `auto` with a device backend that runs here, the layer and graph rungs
     take the backend's own measured choice (kernels/base.py test_workers: four per GPU on CUDA), whose cases
     wait on the device, while the unit rung, whose time goes to float64 references on the host, keeps one
-    worker per core."""
-    if args.workers != "auto" or rung == "unit":
-        return args.workers
+    worker per core. A user's model then caps the layer and graph rungs' workers at what fits the GPU's and
+    the host's memory (ladder/workers.py), and one line says what was chosen."""
     from kernels import backend_available, backend_class, backend_names, backend_needs_device
 
     names = backend_names() if args.backend in (None, "all") else [args.backend]
-    device = [backend_class(n).test_workers() for n in names
-              if backend_needs_device(n) and backend_available(n)[0]]
-    device = [n for n in device if n]
-    return str(min(device)) if device else "auto"
+    if args.workers != "auto" or rung == "unit":
+        chosen = args.workers
+    else:
+        device = [backend_class(n).test_workers() for n in names
+                  if backend_needs_device(n) and backend_available(n)[0]]
+        device = [n for n in device if n]
+        chosen = str(min(device)) if device else "auto"
+    files = getattr(args, "model_files", None)
+    if rung == "unit" or not files or chosen == "0":
+        return chosen
+    from ladder.workers import size_workers
+
+    running = [n for n in names if backend_available(n)[0]]
+    n = (os.cpu_count() or 1) if chosen == "auto" else int(chosen)
+    workers, line = size_workers(rung, n, files, running, explicit=args.workers != "auto")
+    if line:
+        print(line, flush=True)
+    return str(workers)
 
 
 def rung_environment() -> dict:
@@ -264,6 +277,7 @@ def cmd_ladder(args) -> int:
                 checked_config(mf)
                 if one_file:
                     formats = [mf.quant]
+    args.model_files = model_files  # the rungs' workers are sized to them (worker_count)
     if args.plant_fault:  # an unknown fault is the user's typo, not a red rung
         from ladder.faults import parse
 

@@ -87,7 +87,8 @@ class ReferenceRuns:
         self.label = f"{mf.quant}"
         self._kept = KeptReferences(model_path)
         self._runs = {}
-        self._progress = Progress(f"HF simulation [{self.label}]", prompts, "prompts run")
+        self._prompts = prompts  # how many this process will ask for, for the estimate of the time left
+        self._progress = None  # from the first run on (the simulation's building has its own line)
 
     def dequantized(self) -> tuple[dict, dict]:
         """(config dict, HF name -> float32 weights): what the simulation and the floor's plain forward
@@ -137,6 +138,8 @@ class ReferenceRuns:
         import torch
 
         hf = self.model()
+        if self._progress is None:
+            self._progress = Progress(f"HF simulation [{self.label}]", self._prompts, "prompts run")
         before = torch.get_num_threads()
         torch.set_num_threads(self._threads)
         try:
@@ -155,12 +158,29 @@ _REFERENCES: dict[tuple, ReferenceRuns] = {}
 _BOUNDS: dict[tuple, GraphBounds] = {}
 
 
+def _prompts_of(session, quant: str, floor_ids) -> int:
+    """About how many prompts this process will run the simulation on in format `quant`, for the estimate
+    of the time left: the floor prompts, and the run's selected prompts of the format, all of them when
+    the format's cases keep to one worker (several formats: ladder/groups.py), else this worker's share."""
+    from ladder.groups import group_of
+    from ladder.plugin import model_formats
+
+    items = [item for item in session.items if getattr(item, "callspec", None) is not None
+             and "prompt_id" in item.callspec.params and item.callspec.params.get("quant_name") == quant]
+    ids = {item.callspec.params["prompt_id"] for item in items}
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    grouped = bool(items) and group_of(items[0], model_formats(session.config)) is not None
+    share = len(ids) if grouped else -(-len(ids) // workers)
+    return share + len(set(floor_ids) - ids)
+
+
 @pytest.fixture(scope="session")
-def references(request, model_path):
+def references(request, model_path, quant_name, prompts):
     key = (str(model_path), request.config.getoption("--new-tokens"))
     if key not in _REFERENCES:
+        floor = [p.id for p in spread_by_length(prompts.values())]
         _REFERENCES[key] = ReferenceRuns(model_path, request.config.getoption("--new-tokens"),
-                                         prompts=len(read_prompt_ids(prompts_file(request.config))))
+                                         prompts=_prompts_of(request.session, quant_name, floor))
     yield _REFERENCES[key]
     _REFERENCES[key].release()
 

@@ -1,0 +1,147 @@
+"""How many pytest-xdist workers a model-bound rung can hold: workers sized to the model.
+
+A worker of the graph rung holds, for the format it runs, the engine's model (its stored tensors, plus
+the KV cache and scratch) and the HF simulation's one float32 copy of the weights (4 bytes a parameter),
+on the GPU where the references run there (reference/hf.py `model_device`), on the host otherwise; a
+NumPy engine adds its float32 repack (kernels/numpy, at most its budget). A layer-rung worker holds the
+three blocks its cases check, dequantized. Every worker also costs its Python, torch and CUDA context.
+
+At the 7B shape one graph worker needs about 37 GB of GPU memory, so four workers (the CUDA backend's
+choice for a small model, one per format) would not fit one H200; on the 2-core, 24 GB machine two
+workers each holding a Qwen2.5-1.5B-shape simulation and a NumPy engine would not fit its host. So
+`nanoqwen ladder` takes, for the layer and graph rungs, the smallest of: the backend's choice, the
+workers that fit the GPU's memory, and those that fit the host's available memory; and says what it
+chose and why, in one line. A user's explicit `-n` is kept, with a warning when it does not fit.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+GB = 1 << 30
+BASE_HOST = 1.5 * GB  # a worker's Python, NumPy, torch and transformers, before any model
+BASE_GPU = 1.0 * GB  # a worker's CUDA contexts (CuPy's and torch's) and scratch, before any model
+KV_AND_SCRATCH = 1.0 * GB  # the engine's KV cache pages and activations for the graph rung's prompts
+USABLE = 0.85  # of a GPU's total memory, or of the host's available memory, that the workers may fill
+NUMPY_REPACK = 4 * GB  # kernels/numpy DEFAULT_REPACK_MB: the float32 copies a NumPy engine keeps at most
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    params: int  # parameters of the model (its unquantized shapes)
+    stored: int  # bytes of the largest of its files' tensors (the engine's copy of one format)
+    layer_params: int  # parameters of one decoder layer
+
+    @classmethod
+    def of(cls, paths) -> "ModelSize":
+        from engine.modelfile import ModelFile
+
+        stored, config = 0, None
+        for path in paths:
+            with ModelFile(path, verify_checksums=False) as mf:
+                stored = max(stored, sum(e.length for e in mf.tensors.values()))
+                config = mf.config_dict
+        c = config
+        H, I, V, L = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["num_hidden_layers"]
+        d = c.get("head_dim") or H // c["num_attention_heads"]
+        q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
+        layer = H * (q + 2 * kv) + (q + 2 * kv) + q * H + 3 * H * I + 2 * H
+        params = V * H * (1 if c.get("tie_word_embeddings") else 2) + L * layer + H
+        return cls(int(params), int(stored), int(layer))
+
+
+def host_available() -> int | None:
+    """The host's available memory in bytes (/proc/meminfo MemAvailable), or None where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def gpu_total(backend: str) -> int | None:
+    """The smallest total memory of the backend's devices in bytes (None: not a device backend here).
+    Read from the device's properties, which needs no CUDA context in this process."""
+    if backend != "cuda":
+        return None
+    try:
+        import cupy as cp
+
+        n = cp.cuda.runtime.getDeviceCount()
+        return min(int(cp.cuda.runtime.getDeviceProperties(i)["totalGlobalMem"]) for i in range(n)) if n else None
+    except Exception:  # noqa: BLE001 - no CuPy, no driver: nothing to size against
+        return None
+
+
+def references_on_gpu() -> bool:
+    """Whether the HF simulation will run on the GPU (reference/hf.py model_device), decided without
+    importing torch: torch is installed, the cuda backend runs here, and nothing forces the host."""
+    forced = os.environ.get("NANOQWEN_REFERENCE_DEVICE", "").strip().lower()
+    if forced:
+        return forced == "cuda"
+    if importlib.util.find_spec("torch") is None:
+        return False
+    from kernels import backend_available
+
+    return backend_available("cuda")[0]
+
+
+@dataclass(frozen=True)
+class Need:
+    gpu: float  # bytes of GPU memory one worker holds
+    host: float  # bytes of host memory one worker holds
+
+
+def worker_need(size: ModelSize, rung: str, backend: str, refs_on_gpu: bool) -> Need:
+    """What one worker of `rung` holds, on the GPU and on the host, for a model of `size`."""
+    device = backend == "cuda"
+    if rung == "graph":
+        reference = 4.0 * size.params
+        engine = size.stored * 1.05 + KV_AND_SCRATCH
+        gpu = (BASE_GPU + engine if device else 0) + (reference if refs_on_gpu else 0)
+        host = BASE_HOST + (0 if refs_on_gpu else reference) + (0 if device else min(NUMPY_REPACK, 4.0 * size.params))
+        return Need(gpu, host)
+    # layer: three blocks dequantized for the reference and their HF decoder layer (a float32 copy each)
+    blocks = 3 * 2 * 4.0 * size.layer_params
+    return Need(BASE_GPU + 2 * 4.0 * size.layer_params if device else 0, BASE_HOST + blocks)
+
+
+def fitting(chosen: int, need: Need, gpu: int | None, host: int | None) -> tuple[int, str]:
+    """(workers, why): at most `chosen`, as many as fit both memories (at least one)."""
+    limits, said = [chosen], []
+    if gpu and need.gpu:
+        fit = int(USABLE * gpu // need.gpu)
+        limits.append(fit)
+        said.append(f"{need.gpu / GB:.1f} GB of GPU memory each, of {gpu / GB:.0f} GB")
+    if host and need.host:
+        fit = int(USABLE * host // need.host)
+        limits.append(fit)
+        said.append(f"{need.host / GB:.1f} GB of host memory each, of {host / GB:.0f} GB available")
+    return max(1, min(limits)), "; ".join(said)
+
+
+def size_workers(rung: str, chosen: int, model_files, backends, explicit: bool = False) -> tuple[int, str | None]:
+    """(workers, the line that says so, or None when there is nothing to say) for a model-bound rung."""
+    if rung not in ("layer", "graph") or not model_files:
+        return chosen, None
+    size = ModelSize.of(model_files)
+    refs_gpu = references_on_gpu()
+    host = host_available()
+    best, why = chosen, ""
+    for backend in backends:
+        need = worker_need(size, rung, backend, refs_gpu and backend == "cuda")
+        n, said = fitting(chosen, need, gpu_total(backend), host)
+        if n <= best:
+            best, why = n, said
+    model = f"a model of {size.params / 1e9:.2f} B parameters"
+    if explicit:
+        if best < chosen:
+            return chosen, (f"nanoqwen: rung {rung}: -n {chosen} workers may not fit {model} ({why}); "
+                            f"{best} would")
+        return chosen, None
+    return best, f"nanoqwen: rung {rung}: {best} worker{'s' if best != 1 else ''} for {model} ({why})"
