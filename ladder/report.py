@@ -306,6 +306,10 @@ def _header(report: dict) -> list[str]:
                                             if k not in ("gpu", "driver")) or "not recorded"),
              f"- GPU: {env['gpu']} (driver: {env.get('driver') or '-'})" if env.get("gpu") else "- GPU: none",
              f"- started: {m.get('started')}"]
+    if m.get("resources"):
+        from ladder.resources import describe
+
+        lines.append(f"- machine: {describe(m['resources'])}")
     if m.get("shard"):
         lines.append(f"- shard: {m['shard']}")
     if m.get("shards"):

@@ -300,6 +300,9 @@ def cmd_ladder(args) -> int:
 
     launch_map = plan_launches(args, out)
     env = rung_environment()
+    from ladder.resources import Resources, describe
+
+    resources = Resources().start()  # peak GPU and host memory while the rungs run, for the report
     results, started = {}, datetime.datetime.now().isoformat(timespec="seconds")
     failed = False
     broke = None  # the harness line (exit 3) once a rung's pytest judged nothing
@@ -334,17 +337,19 @@ def cmd_ladder(args) -> int:
             if not args.keep_going:
                 print(f"nanoqwen: rung {rung} is red; stopping (--keep-going runs the rest)", file=sys.stderr)
                 break
+    resources.stop()
     if launch_map is not None:
         keep_launches(results, out, launch_map)
     meta = {"model": args.model or "default", "backends": [args.backend or "auto"], "formats": formats, "started": started,
             "plant_fault": args.plant_fault, "argv": sys.argv[1:], "shard": args.shard, "changed": args.changed,
-            "model_files": model_files, "baseline": args.baseline,
+            "model_files": model_files, "baseline": args.baseline, "resources": resources.record(model_files),
             # the commit of the checkout the rungs imported (ROOT), the library versions, the GPU
             **ladder_report.environment(ROOT)}
     # coverage is judged on a whole ladder: not on a subset of rungs, nor on a shard (its calls are partial)
     rep, failed = ladder_report.conclude(results, meta, out, failed, baseline,
                                          require_coverage=args.coverage and len(rungs) == len(RUNGS) and not args.shard)
     print_table(rep, args.coverage)
+    print(f"machine: {describe(meta['resources'])}")
     print(f"report: {out}/report.md, report.json, junit-*.xml")
     if broke:  # last, where it is seen: a broken harness is not a red rung, whatever the report judged
         print(broke, file=sys.stderr)

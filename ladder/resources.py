@@ -1,0 +1,117 @@
+"""What a ladder run took of the machine, for the report: peak GPU memory, peak host memory, and disk.
+
+`Resources` samples, once a second on a background thread while the rungs run, the GPU memory in use
+(`nvidia-smi`, which needs no CUDA context in this process, over every GPU: the rungs' workers and their
+references) and the host memory in use (MemTotal - MemAvailable of /proc/meminfo, the whole machine's: a
+worker killed for memory shows here first). At the end, `record()` adds the disk the run's model and its
+kept results occupy: the model files under test, and the cache folder's converted models and kept
+references (engine/resolve.py cache_root). A 7B run's first run writes 5 to 9 GB per format there.
+
+Every probe is guarded: a missing `nvidia-smi` or /proc leaves its figure out, never fails a run.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+GB = 1 << 30
+KEPT = ("converted", "graph-references", "graph-bounds", "layer-references", "golden")  # the cache's folders a run fills
+
+
+def gpu_used() -> int | None:
+    """Bytes of GPU memory in use, summed over the GPUs (None where nvidia-smi cannot say)."""
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return None
+    try:
+        out = subprocess.run([smi, "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10).stdout
+        return sum(int(float(v)) for v in out.split()) * (1 << 20)
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
+
+
+def host_used() -> int | None:
+    """Bytes of host memory in use (MemTotal - MemAvailable), None where /proc/meminfo is not there."""
+    try:
+        info = {k: int(v.split()[0]) * 1024 for k, _, v in
+                (line.partition(":") for line in Path("/proc/meminfo").read_text().splitlines()) if v}
+        return info["MemTotal"] - info["MemAvailable"]
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
+
+
+def folder_bytes(path: Path) -> int:
+    total = 0
+    try:
+        for p in path.rglob("*"):
+            try:
+                if p.is_file():
+                    total += p.stat().st_size
+            except OSError:
+                continue
+    except OSError:
+        pass
+    return total
+
+
+class Resources:
+    """Peak GPU and host memory while the rungs run (a sample a second), and the disk at the end."""
+
+    def __init__(self, every: float = 1.0):
+        self.every = every
+        self.peak_gpu = self.peak_host = None
+        self.base_gpu = gpu_used()  # in use before the run (another process's): reported beside the peak
+        self.base_host = host_used()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def start(self) -> "Resources":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=15)
+
+    def _sample(self) -> None:
+        while True:
+            g, h = gpu_used(), host_used()
+            if g is not None:
+                self.peak_gpu = max(self.peak_gpu or 0, g)
+            if h is not None:
+                self.peak_host = max(self.peak_host or 0, h)
+            if self._stop.wait(self.every):
+                return
+
+    def record(self, model_files) -> dict:
+        """The figures for report.json's meta (GB, rounded): peak memory, and the disk of the run's files."""
+        from engine.resolve import cache_root
+
+        def gb(n):
+            return None if n is None else round(n / GB, 2)
+
+        root = cache_root()
+        return {"peak_gpu_memory_gb": gb(self.peak_gpu), "gpu_memory_before_gb": gb(self.base_gpu),
+                "peak_host_memory_gb": gb(self.peak_host), "host_memory_before_gb": gb(self.base_host),
+                "model_files_gb": gb(sum(Path(f).stat().st_size for f in model_files if Path(f).exists())),
+                "cache_gb": {k: gb(folder_bytes(root / k)) for k in KEPT if (root / k).exists()}}
+
+
+def describe(r: dict) -> str:
+    """One line for report.md and the terminal."""
+    parts = []
+    if r.get("peak_gpu_memory_gb") is not None:
+        parts.append(f"peak GPU memory {r['peak_gpu_memory_gb']:.1f} GB (before the run {r['gpu_memory_before_gb']:.1f})")
+    if r.get("peak_host_memory_gb") is not None:
+        parts.append(f"peak host memory {r['peak_host_memory_gb']:.1f} GB (before {r['host_memory_before_gb']:.1f})")
+    if r.get("model_files_gb"):
+        parts.append(f"model files {r['model_files_gb']:.1f} GB")
+    cache = r.get("cache_gb") or {}
+    if cache:
+        parts.append("cache " + ", ".join(f"{k} {v:.1f} GB" for k, v in cache.items()))
+    return "; ".join(parts) or "not measured"
