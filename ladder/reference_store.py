@@ -48,7 +48,7 @@ import numpy as np
 from ladder.tokens import GraphBounds, Reference
 
 STALE_LOCK_SECONDS = 3600.0  # a lock from another host older than this belongs to a worker that died
-KEPT_BYTES = 4 << 30  # kept per kind, newest first (a 152k vocab: ~1 GB of reference runs for 100 prompts)
+KEPT_BYTES = 8 << 30  # kept per kind, newest first (a 152k vocab: ~1 GB of reference runs for 100 prompts, per format)
 BLOCK_KEPT_BELOW = 10_000_000  # a block of more weights runs on the GPU in milliseconds: hashing it costs more
 _HERE = Path(__file__).resolve().parent
 _REPO = _HERE.parent

@@ -11,7 +11,8 @@ choice for a small model, one per format) would not fit one H200; on the 2-core,
 workers each holding a Qwen2.5-1.5B-shape simulation and a NumPy engine would not fit its host. So
 `nanoqwen ladder` takes, for the layer and graph rungs, the smallest of: the backend's choice, the
 workers that fit the GPU's memory, and those that fit the host's available memory; and says what it
-chose and why, in one line. A user's explicit `-n` is kept, with a warning when it does not fit.
+chose and why, in one line. A user's explicit `-n` is an upper bound: fewer when more would not fit,
+and the line says so.
 """
 
 from __future__ import annotations
@@ -139,9 +140,9 @@ def size_workers(rung: str, chosen: int, model_files, backends, explicit: bool =
         if n <= best:
             best, why = n, said
     model = f"a model of {size.params / 1e9:.2f} B parameters"
-    if explicit:
+    if explicit:  # the user's -n is an upper bound: a worker killed for memory helps nobody
         if best < chosen:
-            return chosen, (f"nanoqwen: rung {rung}: -n {chosen} workers may not fit {model} ({why}); "
-                            f"{best} would")
+            return best, (f"nanoqwen: rung {rung}: {best} worker{'s' if best != 1 else ''}, not the {chosen} of -n: "
+                          f"more would not fit {model} ({why})")
         return chosen, None
     return best, f"nanoqwen: rung {rung}: {best} worker{'s' if best != 1 else ''} for {model} ({why})"

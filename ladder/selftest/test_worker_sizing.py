@@ -1,0 +1,58 @@
+"""Self-tests of ladder/workers.py: the layer and graph rungs' workers are sized to the model."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.config import SHAPES
+from ladder import workers
+from ladder.workers import GB, ModelSize, fitting, worker_need
+
+
+def size_of(shape: str, bytes_per_weight: float = 0.53) -> ModelSize:
+    """The size of a model of `shape` with an untied head, its linears stored at `bytes_per_weight`."""
+    c = SHAPES[shape].replace(tie_word_embeddings=False)
+    d = c.hidden_size // c.num_attention_heads
+    q, kv = c.num_attention_heads * d, c.num_key_value_heads * d
+    H, I, V = c.hidden_size, c.intermediate_size, c.vocab_size
+    layer = H * (q + 2 * kv) + (q + 2 * kv) + q * H + 3 * H * I + 2 * H
+    return ModelSize(2 * V * H + c.num_hidden_layers * layer + H, int(c.num_hidden_layers * layer * bytes_per_weight
+                                                                       + 2 * V * H * 2), layer)
+
+
+def test_a_7b_graph_rung_takes_the_workers_one_h200_holds():
+    """Four workers (one per format, the CUDA backend's choice) would need 144 GB; three fit 143 GB."""
+    need = worker_need(size_of("qwen2.5-coder-7b"), "graph", "cuda", refs_on_gpu=True)
+    assert 30 * GB < need.gpu < 40 * GB and need.host < 3 * GB
+    n, why = fitting(4, need, gpu=143 * GB, host=120 * GB)
+    assert n == 3 and "GPU memory" in why
+
+
+def test_a_1_5b_model_on_a_24_gb_host_runs_one_numpy_graph_worker():
+    """The case that was killed for memory: two workers each holding the float32 simulation and a NumPy engine."""
+    size = ModelSize(1_777_088_000, 1_300_000_000, 46_800_000)
+    need = worker_need(size, "graph", "numpy", refs_on_gpu=False)
+    assert fitting(2, need, gpu=None, host=23 * GB)[0] == 1
+
+
+def test_a_small_model_keeps_the_backends_choice():
+    need = worker_need(size_of("tiny", 2.0), "graph", "cuda", refs_on_gpu=True)
+    assert fitting(4, need, gpu=143 * GB, host=120 * GB)[0] == 4
+
+
+def test_at_least_one_worker_even_when_none_fits():
+    assert fitting(4, workers.Need(200 * GB, 1 * GB), gpu=143 * GB, host=None)[0] == 1
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_the_line_says_what_was_chosen_and_a_users_n_is_an_upper_bound(monkeypatch, explicit):
+    from fixtures.tiny_model import random_model_file
+
+    monkeypatch.setattr(workers, "host_available", lambda: 8 * GB)
+    monkeypatch.setattr(workers, "references_on_gpu", lambda: False)
+    monkeypatch.setattr(workers, "worker_need", lambda *a: workers.Need(0, 3 * GB))
+    n, line = workers.size_workers("graph", 4, [str(random_model_file())], ["numpy"], explicit=explicit)
+    assert n == 2  # 0.85 x 8 GB holds two workers of 3 GB
+    assert line.startswith("nanoqwen: rung graph: 2 workers") and "3.0 GB of host memory each, of 8 GB available" in line
+    assert ("not the 4 of -n" in line) == explicit
+    assert workers.size_workers("unit", 4, [str(random_model_file())], ["numpy"]) == (4, None)
