@@ -17,6 +17,10 @@ plugin (`pytest_xdist_make_scheduler`) reads a node id's scope from those files.
 collections after writing them, and xdist schedules only when every collection has arrived, so the files
 are complete when they are read. A node id the files do not name keeps pytest-xdist's own rule.
 ladder/selftest/test_groups.py proves it with the worker that ran each case.
+
+The same folder carries each worker's vital signs (its pid, memory and running case, every second), and
+the hooks here that say why a worker died, in one line, and that stop a run at its second dead worker
+(ladder/liveness.py; ladder/selftest/test_dead_worker.py).
 """
 
 from __future__ import annotations
@@ -29,7 +33,16 @@ from pathlib import Path
 
 import pytest
 
-KEY = "nanoqwen_groups"  # the workerinput entry that names the groups folder
+from ladder import liveness
+
+KEY = "nanoqwen_groups"  # the workerinput entry that names the groups folder (and the workers' vital signs)
+# Replacement workers: pytest-xdist starts one for each that dies, up to four per worker. One is allowed, so
+# that a single crash (a segfault in one case) still lets the rest of the run be judged (the rest of the dead
+# worker's group runs on the replacement); the second death stops the run (the workers finish what they
+# hold), red, instead of starting worker after worker: a worker killed for memory is most often replaced by
+# one that builds the same model and is killed again, each time after minutes. `--max-worker-restart N`
+# given on the command line is kept.
+WORKER_RESTARTS = 1
 
 
 def group_of(item, formats: list[str]) -> str | None:
@@ -63,15 +76,21 @@ def _wanted(config) -> bool:
     return config.getvalue("dist") == "loadgroup"
 
 
+def pytest_configure(config):
+    """The replacement workers allowed (WORKER_RESTARTS). The plugin registers this module from its own
+    pytest_configure, which pytest replays here at once: before pytest-xdist's (trylast) reads the option."""
+    if getattr(config.option, "maxworkerrestart", "") is None and getattr(config.option, "numprocesses", None):
+        config.option.maxworkerrestart = str(WORKER_RESTARTS)
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node):
-    """In the controller, before a worker starts: the folder it writes its groups to."""
+    """In the controller, before a worker starts: the folder it writes its groups and vital signs to."""
     config = node.config
-    if not _wanted(config):
-        return
     if getattr(config, "_nanoqwen_groups", None) is None:
         config._nanoqwen_groups = tempfile.mkdtemp(prefix="nanoqwen-groups-")
     node.workerinput[KEY] = config._nanoqwen_groups
+    liveness.beat(liveness.TESTS, f"starting worker {node.gateway.id}")
 
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)  # firstresult: pytest-xdist's own answer would win otherwise
@@ -126,6 +145,70 @@ def pytest_xdist_make_scheduler(config, log):
                 self._assign_work_unit(node)
 
     return GroupScheduling(config, log)
+
+
+# ---- a worker's signs of life and its death (ladder/liveness.py) ------------------------------------
+
+
+def pytest_sessionstart(session):
+    """In a worker: its vital signs start (every second, into the controller's folder)."""
+    config = session.config
+    folder = getattr(config, "workerinput", {}).get(KEY)
+    if folder:
+        config._nanoqwen_vitals = liveness.Vitals(folder, config.workerinput["workerid"]).start()
+        liveness.beat(liveness.CASE, "collecting")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """In the process that runs the case (a worker, or a run without workers): a beat as it starts and as
+    it ends, so that a rung stopped for want of progress names the case that had started."""
+    vitals = getattr(item.config, "_nanoqwen_vitals", None)
+    if vitals is not None:
+        vitals.case = item.nodeid
+    liveness.beat(liveness.CASE, f"started {item.nodeid}")
+    yield
+    liveness.beat(liveness.CASE, f"finished {item.nodeid}")
+    if vitals is not None:
+        vitals.case = None
+
+
+def deaths(config) -> list[dict]:
+    """The workers that died in this run: worker, cause, the case it died on (None: between cases)."""
+    if not hasattr(config, "_nanoqwen_deaths"):
+        config._nanoqwen_deaths = []
+    return config._nanoqwen_deaths
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """In the controller, as pytest-xdist learns that a worker is gone (before it reports the case the worker
+    was running): why, from its exit status and its last vital signs."""
+    if error is None or error == "keyboard-interrupt":  # a worker that ended its session, or Ctrl-C
+        return
+    worker = node.gateway.id
+    why = liveness.cause(liveness.exit_status(node), liveness.last_vitals(getattr(node.config, "_nanoqwen_groups", None), worker))
+    deaths(node.config).append({"worker": worker, "cause": why, "case": None})
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_handlecrashitem(crashitem, report, sched):
+    """The case a dead worker was running fails with one line instead of pytest-xdist's own message: the
+    case, the worker and the cause. The line is printed at once; pytest's FAILED line and the report's
+    failure carry it as the message."""
+    node = getattr(report, "node", None)
+    if node is None:
+        return
+    worker = node.gateway.id
+    known = deaths(node.config)
+    death = next((d for d in reversed(known) if d["worker"] == worker and d["case"] is None), None)
+    if death is None:
+        death = {"worker": worker, "cause": liveness.cause(liveness.exit_status(node), {}), "case": None}
+        known.append(death)
+    death["case"] = crashitem
+    line = liveness.death_line(worker, crashitem, death["cause"])
+    report.longrepr = line
+    liveness.say(node.config, line, liveness.rung_of(crashitem, node.config))
 
 
 def read_groups(folder: str | None) -> dict[str, str]:

@@ -10,8 +10,13 @@
 - progress lines: every PROGRESS_SECONDS (env NANOQWEN_PROGRESS_SECONDS, default 60) a line with the tests
   finished, of how many (the collection's count, or the first worker's with workers), the rate and the
   slowest phase so far.
+- signs of life: as tests finish, the controller writes a beat (`37 tests finished`, at most once a second)
+  into the rung's progress folder, so that `nanoqwen ladder` can tell a slow rung from a stalled one
+  (ladder/liveness.py, ladder/runner.py).
 - `pytest_sessionfinish`: the graph rung's near-tie flip rule, judged over every prompt of the run, fails
-  the run when a backend flips more often than the plain forward (ladder/tokens.py judge_flips).
+  the run when a backend flips more often than the plain forward (ladder/tokens.py judge_flips). A worker
+  that died between cases fails the run too, in one line, and a run stopped by its dead workers says how
+  many cases it never ran (ladder/groups.py, ladder/liveness.py).
 - `pytest_terminal_summary`: the table per rung and the op error table at the end, and `--ladder-json
   FILE` (the same data as JSON, for `nanoqwen ladder` and ladder/report.py).
 
@@ -31,6 +36,7 @@ from pathlib import Path
 import pytest
 
 from kernels import OPS
+from ladder.liveness import TESTS, beat
 from ladder.report import SLOWEST, cases_json
 
 RUNGS = ("unit", "layer", "graph")  # the ladder's rungs: `nanoqwen ladder` runs these (ladder/runner.py)
@@ -76,6 +82,7 @@ class RunSummary:
         self.finished = 0
         self.started = time.monotonic()
         self.last_progress = self.started
+        self.last_beat = 0.0  # when the controller last wrote its sign of life (ladder/liveness.py)
 
     def add(self, report, rung: str):
         if report.when in ("setup", "call"):  # a slow setup is a fixture (a model load, the graph rung's bounds)
@@ -220,6 +227,7 @@ def case_id(nodeid: str) -> str:
 
 
 _CONFIG: dict = {}  # the session's config, for hooks that are not handed it
+BEAT_SECONDS = 1.0  # at most one sign of life a second from the controller (ladder/liveness.py)
 PROGRESS_SECONDS = float(os.environ.get("NANOQWEN_PROGRESS_SECONDS", "60"))  # between progress lines
 
 
@@ -230,6 +238,10 @@ def pytest_runtest_logreport(report):
     rung = next((r for r in ROWS if f"ladder/{r}/" in report.nodeid.replace(os.sep, "/")), "other")
     config._nanoqwen.add(report, rung)
     if not is_worker(config):
+        s = config._nanoqwen
+        if time.monotonic() - s.last_beat >= BEAT_SECONDS:  # a finished test is progress: say so, cheaply
+            s.last_beat = time.monotonic()
+            beat(TESTS, f"{s.finished}{f' of {s.total}' if s.total else ''} tests finished")
         line = config._nanoqwen.progress()
         tr = config.pluginmanager.get_plugin("terminalreporter")
         if line and tr is not None:
@@ -247,6 +259,7 @@ def pytest_collection_finish(session):
 def pytest_xdist_node_collection_finished(node, ids):
     """With workers, the controller learns the test count from the first worker's collection."""
     config = _CONFIG.get("config")
+    beat(TESTS, f"worker {node.gateway.id} collected {len(ids)} tests")
     if config is not None and config._nanoqwen.total is None:
         config._nanoqwen.total = len(ids)
         config._nanoqwen.order = [case_id(n) for n in ids]
@@ -264,8 +277,29 @@ def pytest_sessionfinish(session, exitstatus):
         config._nanoqwen.failures.append({"test": f"graph rung, near-tie flips on {v.backend}", "rung": "graph",
                                           "backend": v.backend, "format": None, "when": "sessionfinish",
                                           "message": v.describe().splitlines()[:MESSAGE_LINES], "rerun": None})
-    if bad and session.exitstatus == 0:
+    dead = dead_workers(config)
+    if (bad or dead) and session.exitstatus == 0:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def dead_workers(config) -> list[dict]:
+    """The workers that died in this run, as failures where their death is not one already: a worker that
+    died between cases (the case a worker died in failed with its line already, ladder/groups.py), and the
+    cases a run stopped by its dead workers never ran."""
+    from ladder.liveness import death_line, rung_of, say
+
+    s: RunSummary = config._nanoqwen
+    deaths = getattr(config, "_nanoqwen_deaths", [])
+    rung = next((r for r in RUNGS if s.counts[r]), None) or rung_of(None, config)
+    lines = [death_line(d["worker"], None, d["cause"]) for d in deaths if d["case"] is None]
+    if deaths and s.total and s.finished < s.total:
+        lines.append(f"{len(deaths)} {'worker' if len(deaths) == 1 else 'workers'} died and the run stopped: "
+                     f"{s.total - s.finished} of {s.total} tests did not run")
+    for line in lines:
+        say(config, line, rung)
+        s.failures.append({"test": "pytest-xdist workers", "rung": rung or "other", "backend": None, "format": None,
+                           "when": "sessionfinish", "message": [line], "rerun": None})
+    return deaths
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
