@@ -145,13 +145,34 @@ NO_TEST = 5  # pytest's "no tests collected"
 _ERROR_LINE = re.compile(r"^(?:ERROR: |[^\s:][^:]{0,60}: error: )(.+)")
 
 
-def run_rung(cmd: list[str], env: dict) -> tuple[int, str | None]:
+def run_rung(cmd: list[str], env: dict, rung: str | None = None, out: Path | None = None) -> tuple[int, str | None]:
     """Run one rung's pytest: (its exit status, its first error line on stderr, or None).
 
     stdout stays the rung's own (a terminal stays a terminal: colours, progress dots). stderr passes
     through a pipe chunk by chunk, to this process's stderr as it comes, so the user sees it live and a
-    usage error's reason (`unrecognized arguments: --x`) can be named in the harness line."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE)
+    usage error's reason (`unrecognized arguments: --x`) can be named in the harness line.
+
+    A watchdog. The rung gets a fresh progress folder (NANOQWEN_PROGRESS_DIR: `out/.progress-RUNG`, removed
+    at the end), where its processes write their progress lines and signs of life (engine/progress.py,
+    ladder/liveness.py): each new progress line is printed here on stderr (a worker's, from inside a
+    fixture, would be captured by pytest), and a rung in which no file there changed, so no test finished
+    and none started, for NANOQWEN_STALL_SECONDS (default 900; 0: never) is stopped: SIGINT to its
+    process group (pytest writes what it has), SIGKILL STOP_GRACE seconds later, and one line naming the
+    last sign of life and the cases that had started and not ended (before the first case starts, the
+    limit is at least STARTUP_SECONDS). A stalled rung is red (exit status
+    1), as one whose worker died. The rung runs in a session of its own so that its workers are stopped
+    with it; Ctrl-C, SIGTERM or SIGHUP to this process stops it the same way. `rung` (for the lines) and
+    `out` default to what the command line says (`-m RUNG`, `--ladder-json OUT/...`)."""
+    import shutil
+
+    from engine.progress import PROGRESS_DIR
+
+    rung = rung or _rung_in(cmd)
+    stall = stall_seconds(env)
+    folder = _progress_folder(out or _report_folder(cmd), rung)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**env, PROGRESS_DIR: str(folder)}, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    watch = RungWatch(folder, rung, stall)
     kept = bytearray()
 
     def pump() -> None:
@@ -159,25 +180,250 @@ def run_rung(cmd: list[str], env: dict) -> tuple[int, str | None]:
         while chunk := proc.stderr.read1(65536):
             if len(kept) < 65536:  # the error lines come first; a long run's later stderr need not be kept
                 kept.extend(chunk)
-            sys.stderr.write(decode.decode(chunk))
-            sys.stderr.flush()
+            text = decode.decode(chunk)
+            with watch.lock:
+                sys.stderr.write(text)
+                sys.stderr.flush()
+                if text:
+                    watch.mid_line = not text.endswith("\n")
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
+    stalled = None
     try:
-        code = proc.wait()
-    except BaseException:  # Ctrl-C: as subprocess.call, stop the rung before passing it on
-        proc.kill()
-        proc.wait()
+        with _signals_as_exceptions():
+            while True:
+                try:
+                    code = proc.wait(timeout=WATCH_SECONDS)
+                    break
+                except subprocess.TimeoutExpired:
+                    stalled = watch.tick()
+                    if stalled:
+                        stop_group(proc)
+                        code = RED
+                        break
+    except BaseException:  # Ctrl-C, SIGTERM: stop the rung, its workers too, before passing it on
+        stop_group(proc)
         raise
+    finally:
+        watch.tick(final=True)  # the lines written since the last look
+        shutil.rmtree(folder, ignore_errors=True)
     # A process the rung left behind may hold the pipe open; the status is known, so wait only briefly.
     reader.join(timeout=5)
+    if stalled:
+        watch.say(stalled)
+        watch.record(cmd, stalled)
+        return RED, None
+    if code < 0:  # pytest itself was killed (its workers' deaths it reports itself, one line each)
+        from ladder.liveness import cause
+
+        watch.say(f"nanoqwen: rung {rung}: its pytest process was {cause(code, {})}")
     text = bytes(kept).decode(errors="replace")
     for line in text.splitlines():
         m = _ERROR_LINE.match(line.strip())
         if m and not m.group(1).startswith("usage:"):  # argparse's usage line comes before its reason
             return code, m.group(1).strip()
     return code, None
+
+
+STALL_SECONDS = "NANOQWEN_STALL_SECONDS"  # a rung with no sign of life for this long is stopped (default 900)
+STALL_DEFAULT = 900.0
+STARTUP_SECONDS = 120.0  # the least stall time before a rung's first case starts
+STOP_GRACE = 10.0  # seconds between the SIGINT that stops a rung and the SIGKILL
+WATCH_SECONDS = 0.5  # between looks at the progress folder
+
+
+def stall_seconds(env: dict) -> float:
+    text = env.get(STALL_SECONDS, os.environ.get(STALL_SECONDS, "")).strip()
+    try:
+        value = float(text) if text else STALL_DEFAULT
+    except ValueError:
+        value = -1.0
+    if not value >= 0:  # NaN too
+        raise LadderArgumentError(f"{STALL_SECONDS}={text}: not a number of seconds (0: no limit)")
+    return value
+
+
+def _rung_in(cmd: list[str]) -> str:
+    """The rung a pytest command line selects (`-m RUNG`), for its lines; `pytest` where none."""
+    return next((b for a, b in zip(cmd, cmd[1:]) if a == "-m" and b in RUNGS), "pytest")
+
+
+def _report_folder(cmd: list[str]) -> Path | None:
+    """The report folder of a rung's command line: the folder of its `--ladder-json` file."""
+    return next((Path(b).parent for a, b in zip(cmd, cmd[1:]) if a == "--ladder-json"), None)
+
+
+def _progress_folder(out: Path | None, rung: str) -> Path:
+    import shutil
+    import tempfile
+
+    if out is None:
+        return Path(tempfile.mkdtemp(prefix=f"nanoqwen-progress-{rung}-"))
+    folder = Path(out) / f".progress-{rung}"
+    shutil.rmtree(folder, ignore_errors=True)  # a folder a killed run left behind
+    folder.mkdir(parents=True)
+    return folder
+
+
+def stop_group(proc: subprocess.Popen, grace: float | None = None) -> None:
+    """Stop a rung and every process of its group: SIGINT, as a terminal's Ctrl-C (pytest then ends its
+    session and writes its results), and SIGKILL to whatever is left after `grace` seconds."""
+    import signal
+
+    def send(sig) -> None:
+        try:
+            if hasattr(os, "killpg"):
+                os.killpg(proc.pid, sig)
+            else:
+                proc.kill()
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    try:
+        send(signal.SIGINT)
+        try:
+            proc.wait(timeout=STOP_GRACE if grace is None else grace)
+        except subprocess.TimeoutExpired:
+            pass
+    finally:  # also after a second Ctrl-C during the grace
+        send(signal.SIGKILL)
+        proc.wait()
+
+
+class _Signalled(SystemExit):
+    """SIGTERM or SIGHUP to `nanoqwen ladder` while a rung runs (its session no longer shares this one's)."""
+
+
+class _signals_as_exceptions:
+    """While a rung runs, SIGTERM and SIGHUP raise in this process, so that the rung is stopped with it
+    (in the main thread only; elsewhere a signal handler cannot be set, and nothing changes)."""
+
+    NAMES = ("SIGTERM", "SIGHUP")
+
+    def __enter__(self):
+        import signal
+
+        self.old = {}
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        for name in self.NAMES:
+            sig = getattr(signal, name, None)
+            if sig is not None:
+                self.old[sig] = signal.signal(sig, self._raise)
+        return self
+
+    @staticmethod
+    def _raise(signum, frame):
+        raise _Signalled(128 + signum)
+
+    def __exit__(self, *exc):
+        import signal
+
+        for sig, handler in self.old.items():
+            signal.signal(sig, handler)
+        return False
+
+
+class RungWatch:
+    """The rung's progress folder, looked at every WATCH_SECONDS: the new progress lines (`PID.line`) go to
+    stderr; a change of any file (a line, a case started or ended, tests finished: ladder/liveness.py) is
+    progress; `tick()` returns the stall line once there has been none for `stall` seconds."""
+
+    def __init__(self, folder: Path, rung: str, stall: float):
+        self.folder, self.rung, self.stall = folder, rung, stall
+        self.lock = threading.Lock()  # stderr: the rung's own, passed through, and the lines printed here
+        self.mid_line = False  # the rung's stderr ended without a newline (a line printed here starts fresh)
+        self.seen: dict[str, tuple] = {}  # file name -> (mtime, size, inode, text) at the last look
+        self.last: str | None = None  # the latest sign of life's text
+        self.last_change = time.monotonic()
+        self.begun = False  # whether a case has started
+
+    def tick(self, final: bool = False) -> str | None:
+        from ladder.liveness import CASE, LINE
+
+        changed = []
+        try:
+            entries = list(os.scandir(self.folder))
+        except OSError:
+            entries = []
+        for entry in entries:
+            if entry.name.endswith(".tmp"):
+                continue
+            try:
+                st = entry.stat()
+                text = Path(entry.path).read_text(errors="replace").strip()
+            except OSError:  # replaced or removed between the listing and the look
+                continue
+            sig = (st.st_mtime_ns, st.st_size, st.st_ino, text)
+            if self.seen.get(entry.name) != sig:
+                self.seen[entry.name] = sig
+                changed.append((st.st_mtime_ns, entry.name, text))
+        for _, name, text in sorted(changed):
+            if name.endswith(f".{LINE}") and text:
+                self.say(text)
+            self.last = text or self.last
+        now = time.monotonic()
+        self.begun = self.begun or any(t.partition("started ")[1] for _, n, t in changed if n.endswith(f".{CASE}"))
+        if changed:
+            self.last_change = now
+        elif not final and self.stall > 0 and now - self.last_change >= self.limit():
+            return self.stall_line()
+        return None
+
+    def limit(self) -> float:
+        """The stall time; until the first case starts (imports, collection, workers starting, a device's
+        one-time compile) at least STARTUP_SECONDS, whose signs of life come seconds apart."""
+        return self.stall if self.begun else max(self.stall, STARTUP_SECONDS)
+
+    def running(self) -> list[str]:
+        """`[gw1] NODE ID` of each live process whose last case beat says its case started and has not ended."""
+        from ladder.liveness import CASE
+
+        out = []
+        for name, sig in self.seen.items():
+            pid, _, kind = name.partition(".")
+            head, started, case = sig[3].partition("started ")
+            if kind != CASE or not started or not pid.isdigit():
+                continue
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                continue  # a worker that died: its death has its own line
+            except OSError:
+                pass
+            out.append(f"{head}{case}")
+        return out
+
+    def stall_line(self) -> str:
+        self.cases = [r.split("] ", 1)[-1] for r in self.running()]  # node ids, for the report
+        running = [r for r in self.running() if self.last is None or not self.last.endswith(r.split("] ", 1)[-1])]
+        last = self.last or "no sign of life since the rung started"
+        return (f"nanoqwen: rung {self.rung}: no progress for {self.limit():g} s (last: {last}"
+                + (f"; running: {', '.join(running)}" if running else "") + "); stopped")
+
+    def record(self, cmd: list[str], line: str) -> None:
+        """The stall as a failure of the rung's JSON (`--ladder-json`), where the stopped pytest wrote one,
+        so that the report lists it: under the case that had started, or the rung where none had."""
+        import shlex
+
+        path = next((Path(b) for a, b in zip(cmd, cmd[1:]) if a == "--ladder-json"), None)
+        try:
+            data = json.loads(path.read_text())
+        except (AttributeError, OSError, ValueError):
+            return
+        cases = getattr(self, "cases", [])
+        data.setdefault("failures", []).append(
+            {"test": ", ".join(cases) or f"rung {self.rung}", "rung": self.rung, "backend": None, "format": None,
+             "when": "stalled", "message": [line.removeprefix(f"nanoqwen: rung {self.rung}: ")],
+             "rerun": f"python -m pytest {shlex.quote(cases[0])}" if len(cases) == 1 else None})
+        path.write_text(json.dumps(data, indent=1, default=str))
+
+    def say(self, line: str) -> None:
+        with self.lock:
+            sys.stderr.write(("\n" if self.mid_line else "") + line + "\n")
+            sys.stderr.flush()
+            self.mid_line = False
 
 
 def collection_error(junit: Path) -> str | None:
