@@ -67,8 +67,11 @@ def host_available() -> int | None:
 
 def gpu_total(backend: str) -> int | None:
     """The smallest total memory of the backend's devices in bytes (None: not a device backend here).
-    Read from the device's properties, which needs no CUDA context in this process."""
-    if backend != "cuda":
+    Read from the device's properties, which needs no CUDA context in this process. (The one device
+    backend, CUDA, is the only one that can say: CuPy asks its devices.)"""
+    from kernels import backend_needs_device
+
+    if not backend_needs_device(backend):
         return None
     try:
         import cupy as cp
@@ -89,7 +92,9 @@ def references_on_gpu() -> bool:
         return False
     from kernels import backend_available
 
-    return backend_available("cuda")[0]
+    from kernels import backend_names, backend_needs_device
+
+    return any(backend_needs_device(b) and backend_available(b)[0] for b in backend_names())
 
 
 @dataclass(frozen=True)
@@ -100,7 +105,9 @@ class Need:
 
 def worker_need(size: ModelSize, rung: str, backend: str, refs_on_gpu: bool) -> Need:
     """What one worker of `rung` holds, on the GPU and on the host, for a model of `size`."""
-    device = backend == "cuda"
+    from kernels import backend_needs_device
+
+    device = backend_needs_device(backend)
     if rung == "graph":
         reference = 4.0 * size.params
         engine = size.stored * 1.05 + KV_AND_SCRATCH
@@ -130,12 +137,14 @@ def size_workers(rung: str, chosen: int, model_files, backends, explicit: bool =
     """(workers, the line that says so, or None when there is nothing to say) for a model-bound rung."""
     if rung not in ("layer", "graph") or not model_files:
         return chosen, None
+    from kernels import backend_needs_device
+
     size = ModelSize.of(model_files)
     refs_gpu = references_on_gpu()
     host = host_available()
     best, why = chosen, ""
     for backend in backends:
-        need = worker_need(size, rung, backend, refs_gpu and backend == "cuda")
+        need = worker_need(size, rung, backend, refs_gpu and backend_needs_device(backend))
         n, said = fitting(chosen, need, gpu_total(backend), host)
         if n <= best:
             best, why = n, said

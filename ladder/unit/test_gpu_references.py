@@ -5,14 +5,16 @@ simulation, and the plain fp32 forward with fp16 storage whose distance from it 
 (reference/torch_model.py, the torch reading of reference/model.py's `ref_forward`). Both are float32 with
 TF32 off; the GPU only sums in another order. This case holds each GPU reference to its host twin on the
 default model and on a seeded model of the Qwen2.5-0.5B shape, within the model's floor measured on the
-same prompts: the move to the GPU changes the references by less than the noise the rung already allows,
-and the floor the GPU measures (so the bounds derived from it) is the host's within a factor of two.
+same prompts: the GPU's simulation is the host's within the floor (in fact within float32 rounding), the
+GPU's plain forward is the host's within two floors (each is within a floor of the simulation), and the
+floor the GPU measures, so the bounds derived from it, is the host's within a factor of two.
 
 The two simulations differ by float32 rounding alone (about 1e-5 on the default model's logits). The two
 plain forwards differ by more: each rounds its activations to fp16, and a float32 difference that moves
 a value across an fp16 rounding boundary moves it by an fp16 step, so two correct plain implementations
 differ by the floor's own order (0.0056 against a floor of 0.0085 on the default model, torch against
-NumPy on the same host). That is the floor's meaning, and the reason the rung allows a multiple of it.
+NumPy on the same host; 0.082 against 0.075 on the seeded 0.5B-shape model, GPU against host). That is
+the floor's meaning, and the reason the rung allows a multiple of it.
 """
 
 from __future__ import annotations
@@ -68,9 +70,9 @@ def test_the_gpu_references_agree_with_the_host_references_within_the_floor(name
     assert worst["hf"] <= worst["floor"], (
         f"{name}: the HF simulation on the GPU differs from the host's by {worst['hf']:.4g}, more than the "
         f"model's floor {worst['floor']:.4g}")
-    assert worst["plain"] <= worst["floor"], (
+    assert worst["plain"] <= 2 * worst["floor"], (
         f"{name}: the plain forward on the GPU (torch) differs from the host's (NumPy) by {worst['plain']:.4g}, "
-        f"more than the model's floor {worst['floor']:.4g}")
+        f"more than twice the model's floor {worst['floor']:.4g}: they are not two readings of one contract")
     assert 0.5 <= worst["floor"] / worst["host floor"] <= 2, (
         f"{name}: the floor measured on the GPU, {worst['floor']:.4g}, is not the host's {worst['host floor']:.4g} "
         f"within a factor of two")
