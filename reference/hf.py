@@ -111,12 +111,18 @@ def hf_model(config: dict, weights: dict):
 
 
 def hf_decoder_layer(config: dict, weights: dict, layer: int):
-    """(Qwen2DecoderLayer, Qwen2RotaryEmbedding) in float32 for layer `layer` of `weights`."""
+    """(Qwen2DecoderLayer, Qwen2RotaryEmbedding) in float32 for layer `layer` of `weights`, sharing their
+    memory as `hf_model` does (neither may be written afterwards)."""
     from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RotaryEmbedding
 
+    torch = _torch()
     cfg = hf_config(config)
-    block = Qwen2DecoderLayer(cfg, layer_idx=layer).float().eval()
-    _load(block, weights, prefix=f"model.layers.{layer}.")
+    with torch.device("meta"):  # no storage and no random init (seconds for a 7B block): the weights are given
+        block = Qwen2DecoderLayer(cfg, layer_idx=layer).float().eval()
+    _load(block, weights, prefix=f"model.layers.{layer}.", assign=True)
+    left = [n for n, t in [*block.named_parameters(), *block.named_buffers()] if t.is_meta]
+    if left:
+        raise ValueError(f"weights do not fit the HF decoder layer: no value for {left[:5]}")
     rope = Qwen2RotaryEmbedding(config=cfg)
     return block, rope
 
