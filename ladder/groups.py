@@ -105,6 +105,10 @@ def pytest_xdist_make_scheduler(config, log):
 
         groups: dict[str, str] | None = None
 
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.unreachable: set = set()  # workers a send to failed: dead, their death not handled yet
+
         def _split_scope(self, nodeid: str) -> str:
             if self.groups is None:
                 self.groups = read_groups(getattr(config, "_nanoqwen_groups", None))
@@ -135,14 +139,29 @@ def pytest_xdist_make_scheduler(config, log):
             """A worker runs an item only once it knows the next one or that none will come; at the start
             xdist sends each two units for that reason, but a replacement worker got one, and a group of one
             case then waited forever. Never leave a worker holding fewer than two items."""
-            if node not in self.registered_collections:
+            if node not in self.registered_collections or node in self.unreachable:
                 return  # a replacement still collecting: schedule() gives it work once its collection is in
             super()._reschedule(node)
             while not node.shutting_down and self._pending_of(self.assigned_work.get(node, {})) < 2:
                 if not self.workqueue:
                     node.shutdown()
                     break
+                if node in self.unreachable:
+                    break
                 self._assign_work_unit(node)
+
+        def _assign_work_unit(self, node) -> None:
+            """Two workers killed at once (both dying cases sent at the start): the first death's rescheduling
+            sent work to the second, already dead, whose own death was still queued, and the send's OSError
+            ended the run in an internal error. Such a unit goes back to the head of the queue, and the
+            worker gets nothing more: its death, when it is handled, finds only what it really held."""
+            scope = next(iter(self.workqueue))
+            try:
+                super()._assign_work_unit(node)
+            except OSError:
+                self.workqueue[scope] = self.assigned_work[node].pop(scope)
+                self.workqueue.move_to_end(scope, last=False)
+                self.unreachable.add(node)
 
     return GroupScheduling(config, log)
 

@@ -123,3 +123,47 @@ def test_a_grouped_case_s_rerun_hint_names_the_case_pytest_can_find(monkeypatch)
     assert rerun_command() == f"python -m pytest '{case}'"
     monkeypatch.setenv("PYTEST_CURRENT_TEST", "ladder/unit/test_ops.py::test_x[a@b] (call)")  # an @ inside the id stays
     assert rerun_command() == "python -m pytest 'ladder/unit/test_ops.py::test_x[a@b]'"
+
+
+class _Node:
+    """A pytest-xdist worker as the scheduler sees it; `dead`: its process is gone, its death not yet handled."""
+
+    def __init__(self, name: str, dead: bool = False):
+        self.gateway = type("Gateway", (), {"id": name})()
+        self.dead, self.shutting_down, self.sent = dead, False, []
+
+    def send_runtest_some(self, indices):
+        if self.dead:
+            raise OSError("cannot send (already closed?)")  # what execnet raises for a worker that is gone
+        self.sent += indices
+
+    def shutdown(self):
+        self.shutting_down = True
+
+
+def test_two_workers_killed_at_once_end_the_run_without_an_internal_error():
+    """Both dying cases sent at the start, both workers killed: handling the first death sent work to the
+    second worker, already dead, and the send's OSError ended the run in an INTERNALERROR (pytest exit 3, a
+    broken harness) once in about a dozen runs of ladder/selftest/test_dead_worker.py under load. The unit
+    goes back to the queue, and the second death finds only what its worker really held."""
+    from types import SimpleNamespace
+
+    from xdist.remote import Producer
+
+    from ladder.groups import pytest_xdist_make_scheduler
+
+    option = SimpleNamespace(dist="loadgroup", tx=["2*popen"], loadscopereorder=False)
+    config = SimpleNamespace(option=option, getvalue=lambda name: getattr(option, name))
+    sched = pytest_xdist_make_scheduler(config, Producer("sched", enabled=False))
+    first, second = _Node("gw0"), _Node("gw1")
+    ids = ["t.py::test_dies[0]", "t.py::test_dies[1]", *(f"t.py::test_x[{i}]" for i in range(4))]
+    for node in (first, second):
+        sched.add_node(node)
+        sched.add_node_collection(node, ids)
+    sched.schedule()  # two free cases each, in turn: each worker starts on a dying case
+    assert (first.sent, second.sent) == ([0, 2], [1, 3])
+    second.dead = True
+    assert sched.remove_node(first) == ids[0]  # no OSError from the send to gw1
+    assert second.sent == [1, 3]
+    assert sched.remove_node(second) == ids[1]  # gw1's own case, not the unit whose send failed
+    assert list(sched.workqueue) == [ids[4], ids[5], ids[2], ids[3]]  # nothing lost, the dying cases not again
