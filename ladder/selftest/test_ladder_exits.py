@@ -1,7 +1,8 @@
 """Self-test: `nanoqwen ladder`'s exit status tells a regression from a broken run.
 
-0 green, 1 a rung is red, 2 bad input refused before any rung, 3 the harness broke: a rung's pytest ended
-in a usage error, an internal error, a collection error or interruption, or collected no test. A broken
+0 green, 1 a rung is red (a killed rung too), 2 bad input refused before any rung, 3 the harness broke: a
+rung's pytest ended in a usage error, an internal error, a collection error or interruption, or collected no
+test. A broken
 harness is one line on stderr naming the rung and pytest's reason, stops the ladder even under
 --keep-going, and is never a traceback. `ladder merge` follows the same codes. Each ladder case is one
 short subprocess whose unit rung stops before a test runs.
@@ -74,6 +75,23 @@ def test_a_broken_harness_stops_the_ladder_even_under_keep_going(tmp_path):
     assert proc.returncode == 3 and "[2/2] rung layer" not in proc.stdout, proc.stdout[-2000:]
     assert harness_line(proc).startswith("nanoqwen: rung unit: ")
     assert list(json.loads((tmp_path / "report" / "report.json").read_text())["rungs"]) == ["unit"]
+
+
+@skip_inside_nested_run
+def test_a_rung_whose_pytest_is_killed_is_red_exit_1_with_the_signal_in_one_line(tmp_path):
+    """A kill is red, never a broken harness (exit 3): the kernel's out-of-memory killer ends a rung whose
+    model did not fit. Without workers the case's own process is the rung's pytest. (A dead worker, and a
+    rung that makes no progress: ladder/selftest/test_dead_worker.py.)"""
+    test = tmp_path / "ladder" / "unit" / "test_throwaway.py"  # node ids as a rung's, with --rootdir below
+    test.parent.mkdir(parents=True)
+    test.write_text("import os, signal, pytest\n\npytestmark = pytest.mark.unit\n\n"
+                    "def test_killed():\n    os.kill(os.getpid(), signal.SIGKILL)\n")
+    proc = ladder(tmp_path, "--", "--rootdir", str(tmp_path), str(test), "-k", "throwaway")
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    killed = [line for line in proc.stderr.splitlines() if "killed by signal" in line]
+    assert killed == ["nanoqwen: rung unit: its pytest process was killed by signal 9 (SIGKILL: the kernel's "
+                      "out-of-memory killer, or another process)"], proc.stderr[-3000:]
+    assert "the harness broke" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
 
 # ---- ladder merge --------------------------------------------------------------------------------
