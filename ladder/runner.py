@@ -230,7 +230,7 @@ STALL_SECONDS = "NANOQWEN_STALL_SECONDS"  # a rung with no sign of life for this
 STALL_DEFAULT = 900.0
 STARTUP_SECONDS = 120.0  # the least stall time before a rung's first case starts
 STOP_GRACE = 10.0  # seconds between the SIGINT that stops a rung and the SIGKILL
-WATCH_SECONDS = 0.5  # between looks at the progress folder
+WATCH_SECONDS = 0.25  # between looks at the progress folder (a line replaced sooner is not printed)
 
 
 def stall_seconds(env: dict) -> float:
