@@ -102,7 +102,12 @@ def test_the_registry_answers_capabilities_without_importing_a_device_backend():
     assert isinstance(np_backend, Backend) and not np_backend.supports_graphs and np_backend.device_name == "cpu"
 
 
-def test_a_registered_third_backend_runs_the_engine_end_to_end(counting, model_path):
+def test_a_registered_third_backend_runs_the_engine_end_to_end(counting):
+    """The registry's end-to-end proof needs a model, any model: the default one, whatever --model names
+    (a user's 7B-size model on the NumPy engine, twice, took three minutes of the unit rung)."""
+    from fixtures.default_model import default_model_file
+
+    model_path = default_model_file()
     prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9]
     reference = engine.load(model_path, backend="numpy").generate(prompt, 6)
     model = engine.load(model_path, backend="counting")
