@@ -197,5 +197,5 @@ def say(config, line: str, rung: str | None) -> None:
     if tr is not None:
         if getattr(getattr(tr, "_tw", None), "width_of_current_line", 0):
             tr.write("\n")
-        tr.flush()
+        getattr(tr, "flush", lambda: None)()
     print(f"nanoqwen: {f'rung {rung}: ' if rung else ''}{line}", file=sys.stderr, flush=True)
