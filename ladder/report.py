@@ -310,6 +310,8 @@ def _header(report: dict) -> list[str]:
         from ladder.resources import describe
 
         lines.append(f"- machine: {describe(m['resources'])}")
+    if m.get("model_seconds") is not None:
+        lines.append(f"- model resolved in {m['model_seconds']} s (conversions included, where not cached)")
     if m.get("shard"):
         lines.append(f"- shard: {m['shard']}")
     if m.get("shards"):

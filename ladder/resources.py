@@ -1,6 +1,7 @@
 """What a ladder run took of the machine, for the report: peak GPU memory, peak host memory, and disk.
 
-`Resources` samples, once a second on a background thread while the rungs run, the GPU memory in use
+`Resources` samples, once a second on a background thread from the conversion to the last rung (and
+per phase: the conversion, each rung, so a red night shows which one filled the machine), the GPU memory in use
 (`nvidia-smi`, which needs no CUDA context in this process, over every GPU: the rungs' workers and their
 references) and the host memory in use (MemTotal - MemAvailable of /proc/meminfo, the whole machine's: a
 worker killed for memory shows here first). At the end, `record()` adds the disk the run's model and its
@@ -64,6 +65,8 @@ class Resources:
     def __init__(self, every: float = 1.0):
         self.every = every
         self.peak_gpu = self.peak_host = None
+        self.phase = "start"  # what the run is doing: "convert", then each rung (set by the runner)
+        self.by_phase: dict[str, list] = {}  # phase -> [peak GPU, peak host]
         self.base_gpu = gpu_used()  # in use before the run (another process's): reported beside the peak
         self.base_host = host_used()
         self._stop = threading.Event()
@@ -81,10 +84,13 @@ class Resources:
     def _sample(self) -> None:
         while True:
             g, h = gpu_used(), host_used()
+            peaks = self.by_phase.setdefault(self.phase, [None, None])
             if g is not None:
                 self.peak_gpu = max(self.peak_gpu or 0, g)
+                peaks[0] = max(peaks[0] or 0, g)
             if h is not None:
                 self.peak_host = max(self.peak_host or 0, h)
+                peaks[1] = max(peaks[1] or 0, h)
             if self._stop.wait(self.every):
                 return
 
@@ -99,7 +105,12 @@ class Resources:
         return {"peak_gpu_memory_gb": gb(self.peak_gpu), "gpu_memory_before_gb": gb(self.base_gpu),
                 "peak_host_memory_gb": gb(self.peak_host), "host_memory_before_gb": gb(self.base_host),
                 "model_files_gb": gb(sum(Path(f).stat().st_size for f in model_files if Path(f).exists())),
-                "cache_gb": {k: gb(folder_bytes(root / k)) for k in KEPT if (root / k).exists()}}
+                "cache_gb": {k: gb(folder_bytes(root / k)) for k in KEPT if (root / k).exists()},
+                "peaks_by_phase_gb": {k: {"gpu": gb(g), "host": gb(h)} for k, (g, h) in self.by_phase.items()}}
+
+
+def _gb(v) -> str:
+    return "-" if v is None else f"{v:.1f}"
 
 
 def describe(r: dict) -> str:
@@ -111,6 +122,10 @@ def describe(r: dict) -> str:
         parts.append(f"peak host memory {r['peak_host_memory_gb']:.1f} GB (before {r['host_memory_before_gb']:.1f})")
     if r.get("model_files_gb"):
         parts.append(f"model files {r['model_files_gb']:.1f} GB")
+    phases = r.get("peaks_by_phase_gb") or {}
+    if len(phases) > 1:
+        parts.append("peaks by phase (GPU/host GB) " + ", ".join(
+            f"{k} {_gb(v.get('gpu'))}/{_gb(v.get('host'))}" for k, v in phases.items()))
     cache = r.get("cache_gb") or {}
     if cache:
         parts.append("cache " + ", ".join(f"{k} {v:.1f} GB" for k, v in cache.items()))

@@ -471,7 +471,19 @@ def broken_shard(folders: list[str]) -> str | None:
 
 
 def cmd_ladder(args) -> int:
-    """Run the rungs in order; stop at the first red one unless --keep-going, at a broken one always."""
+    """Run the rungs in order; stop at the first red one unless --keep-going, at a broken one always.
+    What the run takes of the machine is sampled from the model's conversion to the last rung
+    (ladder/resources.py) and goes into the report."""
+    from ladder.resources import Resources
+
+    resources = Resources().start()
+    try:
+        return _ladder(args, resources)
+    finally:
+        resources.stop()
+
+
+def _ladder(args, resources) -> int:
     from ladder import report as ladder_report
     from engine.resolve import resolve_model
 
@@ -508,6 +520,10 @@ def cmd_ladder(args) -> int:
         raise LadderArgumentError(f"--quant {args.quant}: unknown format; known: {', '.join(sorted(FORMATS))}, all")
     formats = sorted(FORMATS) if args.quant == "all" else [args.quant]
     model_files = []  # the model under test, one file per format it runs in
+    from ladder.resources import describe
+
+    resources.phase = "convert"
+    t_convert = time.perf_counter()
     if args.model:  # resolve once: an HF folder is converted here, once per format, not by each worker
         from engine.model import checked_config
         from engine.modelfile import ModelFile
@@ -524,6 +540,7 @@ def cmd_ladder(args) -> int:
                 if one_file:
                     formats = [mf.quant]
     args.model_files = model_files  # the rungs' workers are sized to them (worker_count)
+    t_convert = time.perf_counter() - t_convert  # resolving the model: its conversions where they are not cached
     if args.plant_fault:  # an unknown fault is the user's typo, not a red rung
         from ladder.faults import parse
 
@@ -546,14 +563,12 @@ def cmd_ladder(args) -> int:
 
     launch_map = plan_launches(args, out)
     env = rung_environment()
-    from ladder.resources import Resources, describe
-
-    resources = Resources().start()  # peak GPU and host memory while the rungs run, for the report
     results, started = {}, datetime.datetime.now().isoformat(timespec="seconds")
     failed = False
     broke = None  # the harness line (exit 3) once a rung's pytest judged nothing
     for i, rung in enumerate(rungs, 1):
         print(f"[{i}/{len(rungs)}] rung {rung}", flush=True)
+        resources.phase = rung
         rung_json = out / f"{rung}.json"
         rung_json.unlink(missing_ok=True)  # a stale file from an earlier run must not count as this one
         t0 = time.perf_counter()
@@ -589,13 +604,14 @@ def cmd_ladder(args) -> int:
     meta = {"model": args.model or "default", "backends": [args.backend or "auto"], "formats": formats, "started": started,
             "plant_fault": args.plant_fault, "argv": sys.argv[1:], "shard": args.shard, "changed": args.changed,
             "model_files": model_files, "baseline": args.baseline, "resources": resources.record(model_files),
+            "model_seconds": round(t_convert, 1),
             # the commit of the checkout the rungs imported (ROOT), the library versions, the GPU
             **ladder_report.environment(ROOT)}
     # coverage is judged on a whole ladder: not on a subset of rungs, nor on a shard (its calls are partial)
     rep, failed = ladder_report.conclude(results, meta, out, failed, baseline,
                                          require_coverage=args.coverage and len(rungs) == len(RUNGS) and not args.shard)
     print_table(rep, args.coverage)
-    print(f"machine: {describe(meta['resources'])}")
+    print(f"model: resolved in {t_convert:.1f} s (conversions included); machine: {describe(meta['resources'])}")
     print(f"report: {out}/report.md, report.json, junit-*.xml")
     if broke:  # last, where it is seen: a broken harness is not a red rung, whatever the report judged
         print(broke, file=sys.stderr)
