@@ -105,7 +105,7 @@ def recording(backend):
 def op_checks(calls, config: Qwen2Config, w: dict, layer: int) -> list[Check]:
     """Each recorded op call against its reference on the same inputs, in call order."""
     p = f"model.layers.{layer}."
-    W = {k[len(p):]: v for k, v in w.items() if k.startswith(p)}
+    W = {k[len(p):]: w[k] for k in w if k.startswith(p)}  # the layer's names alone: `w` may read layers lazily
     qkv_w = np.concatenate([W[f"self_attn.{x}_proj.weight"] for x in "qkv"])
     qkv_b = np.concatenate([W[f"self_attn.{x}_proj.bias"] for x in "qkv"])
     gate, up = W["mlp.gate_proj.weight"], W["mlp.up_proj.weight"]
