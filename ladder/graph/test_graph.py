@@ -143,7 +143,8 @@ class ReferenceRuns:
         before = torch.get_num_threads()
         torch.set_num_threads(self._threads)
         try:
-            return reference_greedy(hf, ids, n_new)
+            with self._progress.working(f"prompt of {len(ids)} tokens"):
+                return reference_greedy(hf, ids, n_new)
         finally:
             torch.set_num_threads(before)
             self._progress.step()
@@ -195,8 +196,9 @@ def bounds(request, model_path, prompts, references):
 
         def derive():
             runs = [(p.id, p.ids, references.get(p)) for p in chosen]
-            bar = progress_bar(f"graph bounds [{references.label}]: the floor", unit="floor prompts")
-            return derive_bounds(*references.dequantized(), runs, progress=bar)
+            floor = Progress(f"graph bounds [{references.label}]: the floor", len(runs), "floor prompts")
+            with floor.working("the plain forward"):
+                return derive_bounds(*references.dequantized(), runs, progress=lambda i, n, name: floor.update(i))
 
         # measured once per model by one worker, kept for the others and for later runs (ladder/reference_store.py)
         _BOUNDS[key] = load_or_derive(bounds_key(model_path, chosen, new_tokens), derive)
