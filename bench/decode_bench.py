@@ -1,6 +1,6 @@
 """`nanoqwen bench`: decode speed of the CUDA engine at a real model shape, against the bandwidth floor.
 
-    python3 -m ladder bench --shape qwen2.5-coder-7b [--out DIR] [--peers hf,int4mm,hf-compile]
+    python3 -m ladder bench --shape qwen2.5-coder-7b [--report DIR] [--peers hf,int4mm,hf-compile]
 
 What it does, in order, on one GPU, with no checkpoint:
 1. the copy-rate ceiling: a device-to-device copy of a few GB (read + write counted), so the floor is
@@ -21,7 +21,7 @@ What it does, in order, on one GPU, with no checkpoint:
    find there), time, bytes, share of the copy rate;
 7. peers, each in its own process with a time limit (bench/peers.py): HF transformers bf16 eager,
    HF static cache + torch.compile, PyTorch's tinygemm INT4 matmul chained as a decode step;
-8. JSON (bench.json) and, where matplotlib exists, a chart (bench.png) under --out.
+8. JSON (bench.json) and, where matplotlib exists, a chart (bench.png) under --report.
 
 Steps 1-3 and 6 measure with bench/measure.py; this module runs the protocol, the checks and the peers,
 and writes the report.
@@ -51,7 +51,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="reports/bench", help="folder for bench.json and bench.png")
+    p.add_argument("--report", default="reports/bench", metavar="DIR", help="folder for bench.json and bench.png")
+    from engine.cli import renamed
+
+    renamed(p, "--out", new="--report")
     p.add_argument("--peers", default="hf,int4mm", help="comma list of hf, hf-compile, int4mm ('' for none)")
     p.add_argument("--peer-timeout", type=float, default=150.0, help="seconds per peer process")
     p.add_argument("--no-sweep", action="store_true", help="skip the GEMV and attention variant sweeps")
@@ -270,7 +273,7 @@ def run_peers(args, results):
         if name in skip:
             peers[name] = {"error": "skipped: the hf peer failed", "wall_s": 0.0}
             continue
-        out = Path(args.out) / f"peer-{name}.json"
+        out = Path(args.report) / f"peer-{name}.json"
         cmd = [sys.executable, "-m", "bench.peers", name, "--shape", args.shape, "--prompt-len", str(args.prompt_len),
                "--new-tokens", str(args.new_tokens), "--json", str(out)]
         t0 = time.perf_counter()
@@ -325,7 +328,7 @@ def main(args) -> int:
         print(f"nanoqwen bench: unknown shape {args.shape!r}; one of {sorted(SHAPES)}", file=sys.stderr)
         return 2
     cfg = SHAPES[args.shape]
-    outdir = Path(args.out)
+    outdir = Path(args.report)
     outdir.mkdir(parents=True, exist_ok=True)
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
     results = {"out": str(outdir), "shape": args.shape, "device": props["name"].decode(), "sms": props["multiProcessorCount"],

@@ -1,6 +1,6 @@
 """Decode GEMV time of each quantization format at a real model's shapes, against the bandwidth floor.
 
-    python -m bench.format_gemv [--formats a,b] [--shape qwen2.5-coder-7b] [--repeats N] [--all-variants]
+    python -m bench.format_gemv [--quant a,b] [--shape qwen2.5-coder-7b] [--repeats N] [--all-variants]
                                 [--json OUT]
 
 The command line of the measurement in ladder/tools/gemv_timing.py (`gemv_times`, `summary`), which
@@ -68,7 +68,11 @@ def print_table(rows: list[dict], summ: list[dict]) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.format_gemv", description=__doc__.splitlines()[0])
-    p.add_argument("--formats", default=None, help="comma list of formats (default: every format the cuda backend has)")
+    p.add_argument("--quant", default=None, metavar="FORMAT[,FORMAT...]",
+                   help="comma list of formats (default: every format the cuda backend has)")
+    from engine.cli import renamed
+
+    renamed(p, "--formats", new="--quant")
     p.add_argument("--shape", default="qwen2.5-coder-7b", help="a named shape of engine/config.py SHAPES")
     p.add_argument("--repeats", type=int, default=50, help="graph replays per timing (the median is kept)")
     p.add_argument("--all-variants", action="store_true", help="time every GEMV variant each format ships")
@@ -77,7 +81,7 @@ def main(argv=None) -> int:
 
     from engine.formats import FORMATS
 
-    formats = [f for f in args.formats.split(",") if f] if args.formats else None
+    formats = [f for f in args.quant.split(",") if f] if args.quant else None
     unknown = [f for f in formats or () if f not in FORMATS]
     problem = (shape_problem(args.shape)
                or (f"unknown formats {unknown}; known: {', '.join(sorted(FORMATS))}" if unknown else None)

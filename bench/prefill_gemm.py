@@ -141,7 +141,11 @@ def per_layer(rows: list[dict]) -> list[dict]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.prefill_gemm", description=__doc__.splitlines()[0])
-    p.add_argument("--formats", default=None, help="comma list of formats (default: every format the cuda backend has)")
+    p.add_argument("--quant", default=None, metavar="FORMAT[,FORMAT...]",
+                   help="comma list of formats (default: every format the cuda backend has)")
+    from engine.cli import renamed
+
+    renamed(p, "--formats", new="--quant")
     p.add_argument("--tokens", default="16,64,128,256,512,2048", help="comma list of prompt lengths T")
     p.add_argument("--shape", default="qwen2.5-coder-7b", help="a named shape of engine/config.py SHAPES")
     p.add_argument("--json", default=None, metavar="OUT", help="write the rows and the per-layer sums here")
@@ -160,7 +164,7 @@ def main(argv=None) -> int:
         return refuse("bench.prefill_gemm", problem)
     from kernels.cuda import LINEARS
 
-    formats = [f for f in args.formats.split(",") if f] if args.formats else sorted(LINEARS)
+    formats = [f for f in args.quant.split(",") if f] if args.quant else sorted(LINEARS)
     unknown = [f for f in formats if f not in LINEARS]
     if unknown:
         return refuse("bench.prefill_gemm", f"no cuda launcher for {unknown}; known: {', '.join(sorted(LINEARS))}")

@@ -3,7 +3,8 @@ finds the others (`python -m ladder` runs the same `main` from a plain checkout)
 
     nanoqwen ladder [--model FILE|HF_DIR] [--quant FORMAT|all] [--prompts FILE] [--backend B] [--keep-going]
                     [--report DIR] [--baseline DIR] [--coverage]
-    nanoqwen generate [--model FILE] (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens N]
+    nanoqwen ladder merge REPORT... [--report DIR] [--baseline DIR] [--coverage]
+    nanoqwen generate [--model FILE] (--prompt TEXT | --prompt-ids 1,2,3) [--new-tokens N]
     nanoqwen convert HF_DIR OUT.nanoqwen [--quant FORMAT]     (the formats: docs/FORMAT.md, `convert --help`)
     nanoqwen inspect FILE
     nanoqwen bisect --good REV [--bad REV] [--backend B] [--repo PATH] [-- PYTEST ARGS, default -m unit]
@@ -38,6 +39,7 @@ from engine.formats import DEFAULT_FORMAT, FORMATS
 # The commands that live outside the engine: name -> "module:register", `register(subparsers)` adding it.
 COMMANDS = {
     "ladder": "ladder.runner:register",
+    "ladder-merge": "ladder.runner:register_merge",  # typed `nanoqwen ladder merge`
     "bisect": "ladder.tools.bisect:register",
     "descend": "ladder.tools.descend:register",
     "bench": "bench.cli:register",
@@ -93,6 +95,74 @@ def token_ids_arg(text: str) -> str:
     return ",".join(map(str, ids))
 
 
+def version() -> str:
+    """The installed distribution's version, else the checkout's pyproject.toml's (a plain checkout on a
+    GPU machine), else "unknown"."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("nanoqwen")
+    except metadata.PackageNotFoundError:
+        pass
+    pyproject = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pyproject.toml")
+    try:
+        with open(pyproject) as f:
+            m = re.search(r'^version\s*=\s*"([^"]+)"', f.read(), re.MULTILINE)
+        return m.group(1) if m else "unknown"
+    except OSError:
+        return "unknown"
+
+
+# --- one vocabulary of flags across the commands (docs/LADDER.md, "Command-line vocabulary") -------
+#
+#   -n/--workers N        parallel workers          --report DIR   the folder a command writes
+#   --quant FORMAT[,..]   formats (or all)          --json FILE    one JSON file (bench's scripts)
+#   --new-tokens N        tokens to generate        --backend B    numpy | cuda (| all where a command tests)
+#
+# An old spelling stays one release as a hidden alias that says, in one line on stderr, what it is now.
+RENAMED: dict[str, str] = {}  # old flag -> new flag, every command's (a self-test reads it)
+
+
+class _RenamedFlag(argparse.Action):
+    """An old spelling: stores into the new option's destination and says so once."""
+
+    def __init__(self, option_strings, dest, new: str = "", **kwargs):
+        self.new = new
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"nanoqwen: note: {option_string} is now {self.new}; the old spelling goes in the next release",
+              file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def renamed(parser, *old: str, new: str, **kwargs) -> None:
+    """Accept the old spellings `old` of the option `new` (already added to `parser`, with `kwargs` its
+    `type`/`nargs`), hidden from the help."""
+    dest = next(a.dest for a in parser._actions if new in a.option_strings)
+    parser.add_argument(*old, dest=dest, action=_RenamedFlag, new=new, help=argparse.SUPPRESS,
+                        default=argparse.SUPPRESS, **kwargs)
+    for flag in old:
+        RENAMED[flag] = new
+
+
+def show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Every option with a default that says something shows it in its help (`(default: X)`), here and in
+    every subcommand's parser, unless its help already names its default."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in set(action.choices.values()):
+                show_defaults(sub)
+            continue
+        if (not action.option_strings or action.help == argparse.SUPPRESS
+                or action.default in (None, False, argparse.SUPPRESS, "")
+                or isinstance(action, (argparse._HelpAction, argparse._VersionAction))):
+            continue
+        text = action.help or ""
+        if "default" not in text:
+            action.help = (text + " " if text else "") + "(default: %(default)s)"
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, with a usage error as one line: `nanoqwen: error: ...` and exit status 2."""
 
@@ -135,7 +205,7 @@ def cmd_generate(args) -> int:
     ids, tok = prompt_ids(path, args.prompt, args.prompt_ids)
     timings = Timings()
     stop = [] if args.no_stop else [model.config.eos_token_id]
-    out = model.generate(ids, args.max_new_tokens, stop_ids=stop, timings=timings)
+    out = model.generate(ids, args.new_tokens, stop_ids=stop, timings=timings)
     print(f"model:      {path}")
     print(f"prompt ids: {ids}")
     print(f"new ids:    {out}")
@@ -179,6 +249,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     from kernels import backend_names  # the registry: a new backend needs no edit here
 
     p = _Parser(prog="nanoqwen", description=__doc__.split("\n\n")[0])
+    p.add_argument("--version", action="version", version=f"nanoqwen {version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="greedy generation on a model (the embedded default when --model is left out)")
@@ -186,20 +257,22 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs the model's tokenizer)")
     src.add_argument("--prompt-ids", type=token_ids_arg, help="comma-separated token ids, e.g. 1,2,3")
-    g.add_argument("--max-new-tokens", type=non_negative_int, default=32)
-    g.add_argument("--backend", default="numpy", choices=backend_names())
+    g.add_argument("--new-tokens", type=non_negative_int, default=32,
+                   help="tokens to generate, at most (fewer at the end-of-text token, unless --no-stop)")
+    renamed(g, "--max-new-tokens", new="--new-tokens", type=non_negative_int)
+    g.add_argument("--backend", default="numpy", choices=backend_names(), help="the engine's backend")
     g.add_argument("--no-stop", action="store_true", help="do not stop at the end-of-text token")
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("convert", help="Hugging Face Qwen2 folder -> .nanoqwen")
-    c.add_argument("hf_dir")
-    c.add_argument("out")
+    c.add_argument("hf_dir", help="the Hugging Face model folder (config.json, safetensors, tokenizer.json)")
+    c.add_argument("out", help="the .nanoqwen file to write")
     c.add_argument("--quant", default=DEFAULT_FORMAT, metavar="FORMAT",
                    help=f"quantization format of the linears (default {DEFAULT_FORMAT}; one of {', '.join(sorted(FORMATS))})")
     c.set_defaults(func=cmd_convert)
 
     i = sub.add_parser("inspect", help="print a .nanoqwen file's header and tensor table")
-    i.add_argument("file")
+    i.add_argument("file", help="a .nanoqwen file")
     i.add_argument("--no-verify", action="store_true", help="skip the checksum pass")
     i.set_defaults(func=cmd_inspect)
 
@@ -209,19 +282,26 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
             continue
         module, _, function = target.partition(":")
         getattr(importlib.import_module(module), function)(sub)
+    show_defaults(p)
     return p
 
 
 def chosen_command(argv: list[str]) -> str | None:
-    """The command `argv` names, or None (`nanoqwen` takes no option before the command but --help)."""
+    """The command `argv` names, or None (`nanoqwen` takes no option before the command but --help and
+    --version)."""
     return argv[0] if argv and not argv[0].startswith("-") else None
+
+
+def _two_word_commands(argv: list[str]) -> list[str]:
+    """`nanoqwen ladder merge ...` is the command `ladder-merge` (its own parser, its own --help)."""
+    return ["ladder-merge", *argv[2:]] if argv[:2] == ["ladder", "merge"] else argv
 
 
 def main(argv=None) -> int:
     from kernels import BackendUnavailableError, FormatNotSupportedError
 
     try:
-        argv = _attach_negative_values(sys.argv[1:] if argv is None else list(argv))
+        argv = _two_word_commands(_attach_negative_values(sys.argv[1:] if argv is None else list(argv)))
         args = build_parser(chosen_command(argv)).parse_args(argv)
     except SystemExit as e:  # --help (0), or a usage error already printed as one line (2)
         return e.code if isinstance(e.code, int) else 2

@@ -487,9 +487,6 @@ def _ladder(args, resources) -> int:
     from ladder import report as ladder_report
     from engine.resolve import resolve_model
 
-    extra_args = list(args.pytest_args or [])
-    if extra_args and extra_args[0] == "merge":  # `nanoqwen ladder merge REPORT...`
-        return cmd_merge(args, extra_args[1:])
     check_required_backends(args)
     if args.shard:
         from ladder.shards import ShardError, parse_shard
@@ -670,20 +667,14 @@ def keep_launches(results: dict, out: Path, path: Path) -> None:
         launches.keep_map(path, cases)
 
 
-_RUN_ONLY = ("model", "prompts", "plant_fault", "shard", "require_backend", "backend", "hypothesis_profile", "new_tokens",
-             "changed", "record_launches")
-
-
-def cmd_merge(args, folders: list[str]) -> int:
+def cmd_merge(args) -> int:
     """`nanoqwen ladder merge REPORT... [--report OUT] [--baseline DIR] [--coverage]`: one report from
-    the report folders of the shards of one run (ladder/shards.py)."""
+    the report folders of the shards of one run (ladder/shards.py). Its own parser (register_merge): a
+    run's option given to a merge is a usage error, one line, exit 2."""
     from ladder import report as ladder_report
     from ladder.shards import ShardError, merge_reports
 
-    given = [f"--{o.replace('_', '-')}" for o in _RUN_ONLY if getattr(args, o, None)]
-    if given:
-        raise LadderArgumentError(f"ladder merge: {', '.join(given)} belong to a run, not to a merge "
-                                  f"(merge takes report folders, --report, --baseline and --coverage)")
+    folders = args.reports
     missing = [f for f in folders if not Path(f).expanduser().is_dir()]
     if missing:
         raise LadderArgumentError(f"ladder merge: {missing[0]}: no such folder")
@@ -756,7 +747,8 @@ def register(sub) -> None:
     lad = sub.add_parser("ladder", help="run the unit, layer and graph rungs in order and write a report",
                          description="Run the unit, layer and graph rungs in order, each as its own pytest "
                                      "process, and write a report folder. Arguments after `--` go to every "
-                                     "rung's pytest (e.g. `-- -k rmsnorm`).",
+                                     "rung's pytest (e.g. `-- -k rmsnorm`). `nanoqwen ladder merge REPORT...` "
+                                     "joins the report folders of a run's shards (its own --help).",
                          epilog="Exit status (also of `nanoqwen ladder merge`): 0 green; 1 a rung is red (tests "
                                 "failed, a --baseline regression, --coverage, the near-tie flip rule); 2 bad input, "
                                 "refused before any rung; 3 the harness broke, not a kernel: a rung's pytest ended "
@@ -795,3 +787,21 @@ def register(sub) -> None:
     lad.add_argument("pytest_args", nargs="*", metavar="-- PYTEST ARGS",
                      help="extra arguments for every rung's pytest, after `--`")
     lad.set_defaults(func=cmd_ladder)
+
+
+def register_merge(sub) -> None:
+    """`nanoqwen ladder merge`: the command line turns those two words into this parser's name."""
+    m = sub.add_parser("ladder-merge", prog="nanoqwen ladder merge",
+                       help="`nanoqwen ladder merge REPORT...`: join the report folders of a run's shards "
+                            "(--shard I/N) into one report",
+                       description="Join the report folders of the shards of one run (`nanoqwen ladder --shard "
+                                   "I/N`) into one report folder, judged as a run is (docs/LADDER.md, \"Several "
+                                   "GPUs and several machines\").",
+                       epilog="Exit status: as nanoqwen ladder's; 3 when a shard's rung broke, or a rung is "
+                              "empty in every shard.")
+    m.add_argument("reports", nargs="+", metavar="REPORT", help="the shards' report folders, in any order")
+    m.add_argument("--report", help="the merged report folder (default: reports/ladder-merged-TIMESTAMP under "
+                                    "the current folder)")
+    m.add_argument("--baseline", help="an earlier report folder: flag ops that regressed or newly fail")
+    m.add_argument("--coverage", action="store_true", help="list each backend's ops and the rungs that called them")
+    m.set_defaults(func=cmd_merge)

@@ -61,8 +61,8 @@ def one_error_line(capsys) -> str:
 
 
 CASES = [
-    (["generate", "--prompt-ids", "1,2", "--max-new-tokens", "-1"], "--max-new-tokens"),
-    (["generate", "--prompt-ids", "1,2", "--max-new-tokens", "many"], "--max-new-tokens"),
+    (["generate", "--prompt-ids", "1,2", "--new-tokens", "-1"], "--new-tokens"),
+    (["generate", "--prompt-ids", "1,2", "--new-tokens", "many"], "--new-tokens"),
     (["generate", "--prompt-ids", "-1,2"], "token id -1"),
     (["generate", "--prompt-ids", "-1"], "token id -1"),
     (["generate", "--prompt-ids", "1,99999999999999999999"], "token id 99999999999999999999 is out of range"),
@@ -70,7 +70,7 @@ CASES = [
     (["generate", "--prompt-ids", ""], "got none"),
     (["generate", "--prompt-ids", "1,,2"], "an empty item"),
     (["generate", "--prompt-ids", "1,100000"], "token id 100000"),  # past the vocab: the engine's TokenIdError
-    (["generate", "--prompt-ids", "1", "--max-new-tokens", "100000"], "longer than the cache"),
+    (["generate", "--prompt-ids", "1", "--new-tokens", "100000"], "longer than the cache"),
     (["generate", "--prompt-ids", "1", "--model", "{root}/missing.nanoqwen"], "missing.nanoqwen"),
     (["generate", "--prompt", "def f", "--model", "{root}/notok.nanoqwen"], "carries no tokenizer.json"),
     (["generate"], "--prompt"),
@@ -84,10 +84,10 @@ CASES = [
     (["convert", "{root}/hf", "{root}/m.nanoqwen", "--quant", "int3"], "int3"),
     (["descend", "--decode-steps", "-1"], "--decode-steps"),
     (["descend", "--prompt-ids", "-3,4"], "token id -3"),
-    (["descend", "--prompt-ids", "5", "--out", "{root}/descend"], "at least 2 tokens"),
-    (["descend", "--out", "{root}/a_file/descend"], "is not a folder"),
-    (["descend", "--quant", "int3", "--out", "{root}/descend"], "--quant int3: unknown format; known: fp8_e4m3_channel, "),
-    (["descend", "--model", "{root}/notok.nanoqwen", "--quant", "int8_sym_channel", "--out", "{root}/descend"],
+    (["descend", "--prompt-ids", "5", "--report", "{root}/descend"], "at least 2 tokens"),
+    (["descend", "--report", "{root}/a_file/descend"], "is not a folder"),
+    (["descend", "--quant", "int3", "--report", "{root}/descend"], "--quant int3: unknown format; known: fp8_e4m3_channel, "),
+    (["descend", "--model", "{root}/notok.nanoqwen", "--quant", "int8_sym_channel", "--report", "{root}/descend"],
      "is quantized as int4_sym_g128, not int8_sym_channel"),
     (["ladder", "--rungs", "nope"], "nope"),
     (["ladder", "--model", "{root}/missing.nanoqwen"], "no such file or folder"),
@@ -151,7 +151,7 @@ def test_a_conversion_on_the_way_to_generate_shows_its_progress(paths, tmp_path,
     """On a terminal a bar redrawn in place; into a pipe or a log a line per quarter, no carriage returns."""
     monkeypatch.setenv("NANOQWEN_CACHE", str(tmp_path))
     monkeypatch.setattr(sys.stderr, "isatty", lambda: terminal, raising=False)
-    assert cli_main(["generate", "--model", str(paths / "hf"), "--prompt-ids", "1,2", "--max-new-tokens", "1"]) == 0
+    assert cli_main(["generate", "--model", str(paths / "hf"), "--prompt-ids", "1,2", "--new-tokens", "1"]) == 0
     err = capsys.readouterr().err
     assert f"converting {paths / 'hf'}" in err
     if terminal:
@@ -316,7 +316,7 @@ def test_the_installed_command_refuses_a_broken_checkpoint_in_one_line(paths, tm
 
 @needs_installed
 @pytest.mark.parametrize("argv,names", [
-    (["generate", "--prompt-ids", "1,2", "--max-new-tokens", "-1"], "--max-new-tokens"),
+    (["generate", "--prompt-ids", "1,2", "--new-tokens", "-1"], "--new-tokens"),
     (["generate", "--prompt-ids", "-1,2"], "token id -1"),
     (["convert", "{hf}", "."], "is a folder"),
     (["inspect", "missing.nanoqwen"], "missing.nanoqwen"),

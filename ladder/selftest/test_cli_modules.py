@@ -53,7 +53,7 @@ def model_file() -> Path:
 
 
 def test_generate_on_the_default_model_loads_only_its_lookup():
-    modules = modules_after("generate", "--prompt-ids", "1,2", "--max-new-tokens", "1")
+    modules = modules_after("generate", "--prompt-ids", "1,2", "--new-tokens", "1")
     assert of_parts(modules, ("ladder", "bench", "reference")) == []
     assert set(of_parts(modules, ("fixtures",))) <= DEFAULT_MODEL_LOOKUP
     assert "fixtures.default_model" in modules  # the lookup itself ran
@@ -61,7 +61,7 @@ def test_generate_on_the_default_model_loads_only_its_lookup():
 
 
 def test_generate_on_a_named_model_loads_no_test_part(model_file):
-    modules = modules_after("generate", "--model", str(model_file), "--prompt-ids", "1,2", "--max-new-tokens", "1")
+    modules = modules_after("generate", "--model", str(model_file), "--prompt-ids", "1,2", "--new-tokens", "1")
     assert of_parts(modules, TEST_PARTS + HEAVY) == []
 
 

@@ -61,7 +61,7 @@ def test_transformers_bf16_sharded_checkpoint_converts_exactly(saved_by_transfor
     assert mf.file("tokenizer.json") == (folder / "tokenizer.json").read_bytes()
     assert cli_main(["inspect", str(out)]) == 0
     assert "model.layers.1.mlp.down_proj.qweight" in capsys.readouterr().out
-    assert cli_main(["generate", "--model", str(out), "--prompt", "def f(x):", "--max-new-tokens", "3"]) == 0
+    assert cli_main(["generate", "--model", str(out), "--prompt", "def f(x):", "--new-tokens", "3"]) == 0
     assert "new ids" in capsys.readouterr().out
 
 
@@ -104,7 +104,7 @@ def test_tensor_of_the_wrong_shape_is_refused(tmp_path):
 
 
 def test_generate_command_on_the_default_model(capsys):
-    assert cli_main(["generate", "--prompt", "def f(x):", "--max-new-tokens", "4"]) == 0
+    assert cli_main(["generate", "--prompt", "def f(x):", "--new-tokens", "4"]) == 0
     out = capsys.readouterr().out
     assert "new ids" in out and "ms/token" in out
 

@@ -33,7 +33,7 @@ PROMPT_IDS = ",".join(str(i) for i in range(100, 140))  # 40 tokens: 23 prefill 
 ])
 def test_descent_names_the_layer_and_op_of_a_planted_fault(tmp_path, capsys, fault, layer, op):
     code = cli_main(["descend", "--backend", "numpy", "--prompt-ids", PROMPT_IDS, "--plant-fault", fault,
-                     "--out", str(tmp_path)])
+                     "--report", str(tmp_path)])
     summary = json.loads((tmp_path / "descend.json").read_text())
     result = summary["backends"]["numpy"]
     assert code == 1 and summary["diverged"] == ["numpy"]
@@ -43,7 +43,7 @@ def test_descent_names_the_layer_and_op_of_a_planted_fault(tmp_path, capsys, fau
 
 @needs_hf
 def test_descent_of_the_clean_engine_finds_nothing(tmp_path, capsys):
-    assert cli_main(["descend", "--backend", "numpy", "--prompt-ids", PROMPT_IDS, "--out", str(tmp_path)]) == 0
+    assert cli_main(["descend", "--backend", "numpy", "--prompt-ids", PROMPT_IDS, "--report", str(tmp_path)]) == 0
     summary = json.loads((tmp_path / "descend.json").read_text())
     result = summary["backends"]["numpy"]
     assert summary["quant"] == DEFAULT_FORMAT and summary["diverged"] == []
@@ -53,14 +53,14 @@ def test_descent_of_the_clean_engine_finds_nothing(tmp_path, capsys):
 
 
 def test_descent_refuses_a_one_token_prompt(tmp_path, capsys):
-    assert cli_main(["descend", "--prompt-ids", "5", "--out", str(tmp_path)]) == 2
+    assert cli_main(["descend", "--prompt-ids", "5", "--report", str(tmp_path)]) == 2
     assert "at least 2 tokens" in capsys.readouterr().err
 
 
 @needs_hf
 def test_descent_runs_the_default_model_in_the_format_given(tmp_path, capsys):
     assert cli_main(["descend", "--backend", "numpy", "--quant", "int8_sym_channel", "--prompt-ids", PROMPT_IDS,
-                     "--out", str(tmp_path)]) == 0
+                     "--report", str(tmp_path)]) == 0
     summary = json.loads((tmp_path / "descend.json").read_text())
     assert summary["quant"] == summary["backends"]["numpy"]["quant"] == "int8_sym_channel"
     assert "checking backend numpy in format int8_sym_channel" in capsys.readouterr().out
@@ -76,7 +76,7 @@ def test_without_backend_it_checks_every_backend_this_machine_can_run():
 
 @pytest.mark.skipif(backend_available("cuda")[0], reason="this machine has a GPU: cuda runs")
 def test_a_backend_this_machine_cannot_run_is_one_line_before_anything_is_written(tmp_path, capsys):
-    assert cli_main(["descend", "--backend", "cuda", "--out", str(tmp_path / "d")]) == 2
+    assert cli_main(["descend", "--backend", "cuda", "--report", str(tmp_path / "d")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("nanoqwen: error: --backend cuda cannot run on this machine: ")
     assert not (tmp_path / "d").exists()

@@ -175,7 +175,7 @@ def test_mutants_left_when_the_budget_is_spent_are_not_run_and_not_scored():
 
 @skip_inside_nested_run
 def test_rungs_red_on_the_unmutated_tree_refuse_the_run(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "ladder", "mutate", "--sample", "1", "--rungs", "unit", "-j", "1",
+    r = subprocess.run([sys.executable, "-m", "ladder", "mutate", "--sample", "1", "--rungs", "unit", "-n", "1",
                         "--report", str(tmp_path / "m"), "--", "-k", "test_ops and attention_decode",
                         "--plant-fault", "stale_page_read"],
                        cwd=tmp_path, capture_output=True, text=True, env=child_env("numpy"), timeout=600)
@@ -296,7 +296,7 @@ def test_mutate_exits_1_when_weaker_than_its_baseline(tmp_path):
         (tmp_path / name).mkdir()
         (tmp_path / name / "mutate.json").write_text(json.dumps(_report({lost.signature: outcome})))
     r = subprocess.run([sys.executable, "-m", "ladder", "mutate", "--files", "kernels/numpy/attention.py", "--rungs", "unit",
-                        "-j", "1", "--rerun", str(tmp_path / "earlier"), "--baseline", str(tmp_path / "claimed"),
+                        "-n", "1", "--rerun", str(tmp_path / "earlier"), "--baseline", str(tmp_path / "claimed"),
                         "--report", str(tmp_path / "now"), "--", "-k", "test_ops and rope"],
                        cwd=tmp_path, capture_output=True, text=True, env=child_env("numpy"), timeout=600)
     assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
@@ -335,7 +335,7 @@ def test_a_green_ladder_report_stands_in_for_the_clean_run(tmp_path):
     (tmp_path / "earlier").mkdir()  # --rerun of an earlier report that holds this one mutant as a survivor
     (tmp_path / "earlier" / "mutate.json").write_text(json.dumps(_report({killed.signature: "survived"})))
     r = subprocess.run([sys.executable, "-m", "ladder", "mutate", "--files", "kernels/numpy/__init__.py", "--rungs", "unit",
-                        "-j", "1", "--rerun", str(tmp_path / "earlier"), "--launches", str(tmp_path / "night"),
+                        "-n", "1", "--rerun", str(tmp_path / "earlier"), "--launches", str(tmp_path / "night"),
                         "--report", str(tmp_path / "m")], cwd=tmp_path, capture_output=True, text=True,
                        env=child_env("numpy"), timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]

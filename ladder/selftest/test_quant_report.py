@@ -55,7 +55,7 @@ def tiny_report(tmp_path_factory):
     out = tmp_path_factory.mktemp("quant") / "report"
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
-        code = cli_main(["quant-report", *SMALL_RUN, "--out", str(out)])
+        code = cli_main(["quant-report", *SMALL_RUN, "--report", str(out)])
     return code, stdout.getvalue(), out
 
 
@@ -143,7 +143,7 @@ def test_the_gemv_cell_says_no_gpu_off_a_gpu_and_the_time_against_the_floor_on_o
 
 @pytest.mark.skipif(EXE is None, reason="nanoqwen is not installed here (pip install -e '.[test]')")
 def test_the_installed_command_writes_its_report_under_the_folder_it_runs_from(tmp_path):
-    r = subprocess.run([EXE, "quant-report", *SMALL_RUN, "--windows", "1", "--formats", "int8_sym_channel,int4_sym_g128"],
+    r = subprocess.run([EXE, "quant-report", *SMALL_RUN, "--windows", "1", "--quant", "int8_sym_channel,int4_sym_g128"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=600,
                        env=child_env(backend=None, pythonpath=None))
     assert r.returncode == 0, r.stderr[-3000:]
@@ -153,14 +153,14 @@ def test_the_installed_command_writes_its_report_under_the_folder_it_runs_from(t
 
 
 BAD = [
-    (["--formats", "int3"], "unknown quantization format 'int3'"),
-    (["--formats", ""], "got none"),
-    (["--formats", "int8_sym_channel,,int4_sym_g128"], "an empty item"),
+    (["--quant", "int3"], "unknown quantization format 'int3'"),
+    (["--quant", ""], "got none"),
+    (["--quant", "int8_sym_channel,,int4_sym_g128"], "an empty item"),
     (["--models", "seeded,huge"], "unknown model 'huge'"),
     (["--seeded-shape", "qwen9-900b"], "invalid choice: 'qwen9-900b'"),
     (["--windows", "-1"], "--windows"),
     (["--window", "0"], "--window"),
-    (["--out", "{root}/a_file/report"], "is not a folder"),
+    (["--report", "{root}/a_file/report"], "is not a folder"),
 ]
 
 

@@ -120,18 +120,18 @@ def test_convert_inspect_generate_descend_on_the_users_model(tmp_path, user_mode
     r = nanoqwen("inspect", "user.nanoqwen", cwd=tmp_path)
     assert r.returncode == 0 and "model.layers.0.self_attn.q_proj.qweight" in r.stdout, r.stderr[-3000:]
 
-    r = nanoqwen("generate", "--model", "user.nanoqwen", "--prompt", "def f(x):", "--max-new-tokens", "5",
+    r = nanoqwen("generate", "--model", "user.nanoqwen", "--prompt", "def f(x):", "--new-tokens", "5",
                  cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "text:" in r.stdout and "def f(x):" in r.stdout
 
-    r = nanoqwen("generate", "--model", str(without_tok), "--prompt-ids", "1,2,3", "--max-new-tokens", "5",
+    r = nanoqwen("generate", "--model", str(without_tok), "--prompt-ids", "1,2,3", "--new-tokens", "5",
                  "--no-stop", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     new = json.loads(r.stdout.split("new ids:", 1)[1].splitlines()[0])
     assert len(new) == 5 and all(0 <= t < 512 for t in new)
 
-    r = nanoqwen("descend", "--model", "user.nanoqwen", "--prompt", "def f(x):\n    return", "--out", "desc",
+    r = nanoqwen("descend", "--model", "user.nanoqwen", "--prompt", "def f(x):\n    return", "--report", "desc",
                  cwd=tmp_path)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     assert (tmp_path / "desc" / "descend.json").exists()

@@ -37,8 +37,8 @@ from engine.model import checked_config
 from engine.modelfile import ModelFile
 from fixtures.dequantized import dequantized_weights
 from fixtures.layer_cases import LayerCase
-from ladder.blockrun import run_engine_block
-from ladder.opcheck import Check, Recorder, check, first_op_over_its_bound, op_checks  # noqa: F401 (Check: the API)
+from ladder.checks.blockrun import run_engine_block
+from ladder.checks.opcheck import Check, Recorder, check, first_op_over_its_bound, op_checks  # noqa: F401 (Check: the API)
 from reference.model import ref_block
 
 F16, F32 = np.float16, np.float32
@@ -195,7 +195,7 @@ def cmd_descend(args) -> int:
     from engine.outpath import check_output_folder
     from engine.resolve import prompt_ids
 
-    out = check_output_folder(args.out)  # refused before the descent, not after it
+    out = check_output_folder(args.report)  # refused before the descent, not after it
     path, quant = model_for(args.model, args.quant)
     backends, left_out = backends_to_check(args.backend)
     ids, _ = prompt_ids(path, None if args.prompt_ids else args.prompt, args.prompt_ids)
@@ -231,7 +231,7 @@ DEFAULT_PROMPT = ("def fibonacci(n):\n    if n < 2:\n        return n\n    a, b 
 def register(subparsers) -> None:
     from kernels import backend_names  # the registry: a new backend needs no edit here
 
-    from engine.cli import non_negative_int, token_ids_arg
+    from engine.cli import non_negative_int, renamed, token_ids_arg
     from engine.formats import DEFAULT_FORMAT
 
     d = subparsers.add_parser("descend", help="walk down to the first layer, then the first op, where the engine "
@@ -248,5 +248,6 @@ def register(subparsers) -> None:
     d.add_argument("--decode-steps", type=non_negative_int,
                    help="how many of the last prompt tokens run as decode steps (default 17: across a page edge)")
     d.add_argument("--plant-fault", help="plant a fault from ladder/faults.py first (to see the descent find it)")
-    d.add_argument("--out", default="reports/descend", help="folder for descend.json and descend-BACKEND.png")
+    d.add_argument("--report", default="reports/descend", metavar="DIR", help="folder for descend.json and descend-BACKEND.png")
+    renamed(d, "--out", new="--report")
     d.set_defaults(func=cmd_descend)

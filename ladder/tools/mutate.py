@@ -1,7 +1,7 @@
 """`nanoqwen mutate`: how many broken kernels does the ladder let through?
 
     nanoqwen mutate [--backend numpy|cuda] [--files PATTERN,...] [--sample N] [--seed S]
-                    [--rungs unit,layer,graph] [-j WORKERS] [--timeout SECONDS] [--report DIR]
+                    [--rungs unit,layer,graph] [-n WORKERS] [--timeout SECONDS] [--report DIR]
                     [--baseline DIR] [--rerun DIR] [--list] [-- PYTEST ARGS]
 
 First each rung runs once on the unmutated tree (it must be green) and records the launch map
@@ -417,10 +417,10 @@ def _run(args) -> int:
         return 0
     extra = args.pytest_args[1:] if args.pytest_args[:1] == ["--"] else args.pytest_args
     print(f"nanoqwen mutate: {len(chosen)} of {len(runnable)} mutants of {len(files)} files on backend {args.backend}, "
-          f"rungs {','.join(rungs)}, {args.jobs} workers", flush=True)
+          f"rungs {','.join(rungs)}, {args.workers} workers", flush=True)
     t0 = time.perf_counter()
     try:
-        results = run(chosen, args.backend, rungs, args.jobs, args.timeout, extra, log=lambda s: print(s, flush=True),
+        results = run(chosen, args.backend, rungs, args.workers, args.timeout, extra, log=lambda s: print(s, flush=True),
                       launches=launches, budget=args.budget)
     except NanoqwenError as e:
         print(f"nanoqwen: error: {e}", file=sys.stderr)
@@ -460,6 +460,7 @@ def _earlier_report(option: str, folder: str) -> dict:
 
 def register(subparsers) -> None:
     """Add the `mutate` subcommand to the `nanoqwen` parser's subparsers."""
+    from engine.cli import renamed
     from kernels import backend_names
 
     m = subparsers.add_parser(
@@ -472,8 +473,9 @@ def register(subparsers) -> None:
     m.add_argument("--sample", type=_positive, metavar="N", help="run N mutants drawn with --seed (default: all)")
     m.add_argument("--seed", type=int, default=0, help="the sample's seed (default 0)")
     m.add_argument("--rungs", default="unit,layer,graph", help="rungs to run, cheapest first (default unit,layer,graph)")
-    m.add_argument("-j", "--jobs", type=_positive, default=max(1, (os.cpu_count() or 2) // 2), metavar="N",
+    m.add_argument("-n", "--workers", type=_positive, default=max(1, (os.cpu_count() or 2) // 2), metavar="N",
                    help="parallel workers, each with its own copy of the tree (default: half the cores)")
+    renamed(m, "-j", "--jobs", new="--workers", type=_positive)
     m.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                    help="per rung and mutant, and no watchdog (default: each case hangs past 20 s plus 3x its clean-run "
                         "time, and a rung run past 60 s plus the sum of those)")

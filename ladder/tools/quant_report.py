@@ -1,7 +1,7 @@
 """`nanoqwen quant-report`: how far each quantization format moves a model from its fp16 self.
 
-    nanoqwen quant-report [--formats a,b|all] [--models default,seeded] [--seeded-shape NAME]
-                          [--windows N] [--window T] [--seed S] [--tied-head] [--out DIR]
+    nanoqwen quant-report [--quant a,b|all] [--models default,seeded] [--seeded-shape NAME]
+                          [--windows N] [--window T] [--seed S] [--tied-head] [--report DIR]
 
 This judges the formats' numbers, not their kernels. For each model and each format, the quantized
 model is the fp16 model with every linear (q/k/v/o, gate/up/down) replaced by the format's own round
@@ -35,7 +35,7 @@ same embedding and layers and adds a head with logits of standard deviation abou
 linears are the shape's own either way, and the head is never quantized.
 
 Prints one table per model (formats sorted by KL, the fp16 baseline first), writes quant_report.json
-and, where matplotlib exists, quant_report.png under `--out`. Progress goes to stderr. The columns, how
+and, where matplotlib exists, quant_report.png under `--report`. Progress goes to stderr. The columns, how
 to run it and the measured tables: docs/QUANT_REPORT.md.
 """
 
@@ -339,9 +339,9 @@ def plot(result: dict, path: Path) -> bool:
 def cmd_quant_report(args) -> int:
     from engine.outpath import check_output_folder
 
-    out = check_output_folder(args.out)  # refused before the work, not after it
+    out = check_output_folder(args.report)  # refused before the work, not after it
     out.mkdir(parents=True, exist_ok=True)
-    result = quant_report(list(args.formats), list(args.models), args.seeded_shape, args.seed, args.windows, args.window,
+    result = quant_report(list(args.quant), list(args.models), args.seeded_shape, args.seed, args.windows, args.window,
                           args.tied_head)
     print(table(result))
     (out / "quant_report.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -365,7 +365,7 @@ def _names(text: str, what: str) -> list[str]:
 
 
 def formats_arg(text: str) -> list[str]:
-    """argparse type for `--formats a,b|all`: known format names (engine.formats.FORMATS), in order."""
+    """argparse type for `--quant a,b|all`: known format names (engine.formats.FORMATS), in order."""
     import argparse
 
     from engine.errors import UnknownFormatError
@@ -395,13 +395,15 @@ def models_arg(text: str) -> list[str]:
 
 def register(subparsers) -> None:
     """Add the `quant-report` subcommand to the `nanoqwen` parser's subparsers."""
-    from engine.cli import int_at_least, non_negative_int
+    from engine.cli import int_at_least, non_negative_int, renamed
     from engine.config import SHAPES
     from fixtures.tiny_model import DEFAULT_SEED
 
     q = subparsers.add_parser("quant-report", help="each quantization format against the fp16 model: top-1 "
                                                    "agreement, KL, perplexity, bytes per weight")
-    q.add_argument("--formats", type=formats_arg, default="all", help="comma-separated format names, or all (default)")
+    q.add_argument("--quant", type=formats_arg, default="all", metavar="FORMAT[,FORMAT...]|all",
+                   help="quantization formats, comma-separated, or all (default)")
+    renamed(q, "--formats", new="--quant", type=formats_arg)
     q.add_argument("--models", type=models_arg, default="default,seeded",
                    help="default (the trained tiny coder), seeded (the seeded model at --seeded-shape), or both")
     q.add_argument("--seeded-shape", default=DEFAULT_SEEDED_SHAPE, choices=sorted(SHAPES),
@@ -414,5 +416,7 @@ def register(subparsers) -> None:
     q.add_argument("--tied-head", action="store_true",
                    help="keep a tied shape's lm_head tied to the seeded embedding (its next-token distributions "
                         "are then one-hot: see docs/QUANT_REPORT.md)")
-    q.add_argument("--out", default="reports/quant", help="folder for quant_report.json and quant_report.png")
+    q.add_argument("--report", default="reports/quant", metavar="DIR",
+                   help="folder for quant_report.json and quant_report.png")
+    renamed(q, "--out", new="--report")
     q.set_defaults(func=cmd_quant_report)
