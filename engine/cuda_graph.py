@@ -1,5 +1,5 @@
 """The decode step as a captured CUDA graph (a backend with `supports_graphs`: the cuda one), and
-`capture`, the one capture helper the engine, the layer rung (ladder/blockrun.py) and the bench use.
+`capture`, the one capture helper the engine, the layer rung (ladder/checks/blockrun.py) and the bench use.
 
     model = engine.load(path, backend="cuda")
     model.enable_cuda_graph()          # Model.step / decode_step now replay one graph per token

@@ -23,10 +23,10 @@ from fixtures.dequantized import LayerWeights
 from fixtures.golden import GoldenError, load_golden
 from fixtures.layer_cases import MODEL_CASES, SEVEN_B_CASES, LayerCase
 from fixtures.tiny_model import random_weights
-from ladder.blockrun import run_engine_block
+from ladder.checks.blockrun import run_engine_block
+from ladder.checks.harness import host_threads
+from ladder.checks.opcheck import first_op_over_its_bound, op_checks, recording
 from ladder.compare import assert_close
-from ladder.harness import host_threads
-from ladder.opcheck import first_op_over_its_bound, op_checks, recording
 from ladder.reference_store import kept_block, missing_library
 from reference.model import ref_block
 
@@ -74,7 +74,7 @@ class BlockUnderTest:
 
 def check_block(backend, block: BlockUnderTest, case: LayerCase, ref_out, ref_k, ref_v, against: str, ops: bool = True):
     """The block against the reference; with `ops`, also every op call inside it on its own activations
-    against its `ref_*` with the unit rung's tolerance (ladder/opcheck.py), so an op wrong by less than the
+    against its `ref_*` with the unit rung's tolerance (ladder/checks/opcheck.py), so an op wrong by less than the
     block's fp16 noise (fp16 accumulation) is red here and a red block names its op. Without `ops` (the 7B
     shape, whose float64 op references take minutes on a host) the ops are checked only once the block
     is red, to name the op."""
@@ -111,7 +111,7 @@ def _describe(first) -> str:
 
 
 def culprit(backend, block: BlockUnderTest, case: LayerCase, recorder=None) -> str:
-    """Every op call of the block checked on its own activations (ladder/opcheck.py; recorded again when
+    """Every op call of the block checked on its own activations (ladder/checks/opcheck.py; recorded again when
     the run was not): the first op over its bound, in call order, or that none is (then the error is in
     how they compose)."""
     if recorder is None:

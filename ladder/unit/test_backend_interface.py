@@ -3,9 +3,10 @@
 Every registered backend class implements every op of `OPS` and every memory helper (read from its
 source, so the CUDA class is checked on a machine without CuPy too). A counting backend, a `Backend`
 subclass that wraps the NumPy one and counts its calls, is registered with one line and then runs the
-engine end to end and unit cases of ladder/unit/test_ops.py: nothing outside kernels/ needs to know it
-exists. Last, a scan of engine/, ladder/, fixtures/ and bench/ for a comparison against a backend's
-name: code there asks a capability (`supports_graphs`, `needs_device`) or the registry instead.
+engine end to end and the unit rung's op checks (ladder/checks/ops.py) on their explicit examples:
+nothing outside kernels/ needs to know it exists. Last, a scan of engine/, ladder/, fixtures/ and bench/
+for a comparison against a backend's name: code there asks a capability (`supports_graphs`,
+`needs_device`) or the registry instead.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from kernels import (BACKENDS, HELPERS, OPS, Backend, backend_available, backend
                      backend_needs_device, get_backend, register_backend, unregister_backend)
 from kernels.base import _REGISTRY
 from kernels.numpy import NumpyBackend
-from ladder.unit import test_ops
+from ladder.checks import ops
 
 REPO = Path(__file__).resolve().parents[2]
 SCANNED = ("engine", "ladder", "fixtures", "bench")
@@ -121,9 +122,9 @@ def test_a_registered_third_backend_runs_the_engine_end_to_end(counting):
 
 
 def test_a_registered_third_backend_passes_unit_cases(counting):
-    test_ops.test_argmax_lowest_index_wins_a_tie(backend=counting)
-    test_ops.test_embed_copies_rows_exactly(backend=counting)
-    test_ops.test_decode_advance_feeds_the_picked_token_back_and_moves_one_position(backend=counting)
+    for check in (ops.check_argmax, ops.check_embed, ops.check_decode_advance):
+        for args in check.examples:
+            check(counting, **args)
     assert counting.calls["argmax"] and counting.calls["embed"] and counting.calls["decode_advance"]
 
 

@@ -17,7 +17,8 @@
   the warp kernel does not hold going to paged_attention_f16; rmsnorm reading rows
   of a larger buffer, and the captured decode graph following a wrapped op and its unwrapping.
 
-The comparisons are test_ops.py's: `check_*` against `reference.ops` with TOL.
+The comparisons are the unit rung's op checks (ladder/checks/ops.py): `check_*` against `reference.ops`
+with TOL.
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ import pytest
 
 import engine
 from engine.formats import get_format
-from fixtures.strategies import PAGE_BOUNDARY_LENGTHS, PagedCase, quantizable_weight, rng_for
+from fixtures.cases import PAGE_BOUNDARY_LENGTHS, PagedCase, quantizable_weight, rng_for
 from ladder.plugin import selected_formats
 from ladder.sources import cuda_module
-from ladder.unit.test_ops import _check_attention, _quantized, check_gate_up_silu, check_linear_residual, check_qkv_proj
+from ladder.checks.ops import (check_attention, check_gate_up_silu, check_linear_residual, check_qkv_proj,
+                               quantized_and_read)
 
 # kernels/cuda/catalog.py's launchers (format -> variants, default config), read by file path: the package
 # kernels.cuda imports CuPy, and the cases are collected (and skip with a reason) where CuPy is missing
@@ -126,7 +128,7 @@ def _full_size_weights(backend, fmt, op, in_f, rows):
         w = quantizable_weight(rng, 2 * rows if op == "gate_up_silu" else rows, in_f, scale=0.1 if op == "gate_up_silu" else 0.05)
         # quantized and read by row blocks side by side: the same tensors and values as one call, in a
         # fraction of the time (fp8's gate_up: 135 M weights)
-        _FULL_SIZE[key] = _quantized(backend, fmt, w, by_rows=True)
+        _FULL_SIZE[key] = quantized_and_read(backend, fmt, w, by_rows=True)
     return _FULL_SIZE[key]
 
 
@@ -169,7 +171,7 @@ def test_attention_decode_with_fixed_split_sizes(backend, variant, pages_per_spl
     with _attention_setting(backend, pages_per_split=pages_per_split, attention_variant=variant):
         for L, nkv, ratio, d in ((33, 2, 1, 64), (33, 2, 7, 128), (600, 4, 7, 128), (1000, 1, 8, 64)):
             case = PagedCase.build(seed=L, L=L, T=1, nq=nkv * ratio, nkv=nkv, d=d, layout="shuffled")
-            _check_attention(backend, "attention_decode", case)
+            check_attention(backend, "attention_decode", case)
 
 
 @pytest.mark.parametrize("variant", ATTENTION_VARIANTS)
@@ -179,10 +181,10 @@ def test_attention_variant_at_every_page_edge(backend, variant, L):
     16 valid slots, on one warp or several."""
     with _attention_setting(backend, attention_variant=variant, attention_prefill_variant=variant):
         for nkv, ratio, d in ((2, 2, 64), (4, 7, 128)):
-            _check_attention(backend, "attention_decode",
+            check_attention(backend, "attention_decode",
                              PagedCase.build(seed=L, L=L, T=1, nq=nkv * ratio, nkv=nkv, d=d, layout="shuffled"))
             T = min(5, L)
-            _check_attention(backend, "attention_prefill",
+            check_attention(backend, "attention_prefill",
                              PagedCase.build(seed=L + 1, L=L, T=T, nq=nkv * ratio, nkv=nkv, d=d, layout="sparse"))
 
 
@@ -207,7 +209,7 @@ def test_attention_prefill_kernels_are_causal_at_every_tile_and_page_edge(backen
             if variant == "block" or (variant == "warp" and kw["nq"] // kw["nkv"] > 8):
                 if kw["nq"] // kw["nkv"] * kw["d"] > 2048:
                     continue  # paged_attention_f16 holds group x head_dim <= 2048 accumulators (it says so: ValueError)
-            _check_attention(backend, "attention_prefill", PagedCase.build(seed=100 + i, **kw))
+            check_attention(backend, "attention_prefill", PagedCase.build(seed=100 + i, **kw))
 
 
 @pytest.mark.parametrize("nq, nkv, d", [(18, 2, 64), (4, 2, 96), (2, 1, 32)])
@@ -218,7 +220,7 @@ def test_attention_layouts_the_warp_kernel_does_not_hold_take_the_block_kernel(b
         assert backend.attention_kernel(nq, nkv, d) == "paged_attention_f16"
         for L, T in ((40, 1), (40, 6)):
             op = "attention_decode" if T == 1 else "attention_prefill"
-            _check_attention(backend, op, PagedCase.build(seed=L, L=L, T=T, nq=nq, nkv=nkv, d=d, layout="shuffled"))
+            check_attention(backend, op, PagedCase.build(seed=L, L=L, T=T, nq=nq, nkv=nkv, d=d, layout="shuffled"))
 
 
 def test_captured_decode_follows_a_wrapped_op_and_its_unwrapping(backend, model_path):

@@ -27,8 +27,8 @@ from engine.formats.fp8_e4m3_channel import FP8_MAX, decode_e4m3, encode_e4m3
 from engine.formats.int4_asym_g128 import pack_scale_zero, unpack_scale_zero
 from engine.formats.int4_sym_g128 import unpack
 from fixtures.strategies import quantizable_weight, rng_for, seeds
+from ladder.checks.harness import by_row_blocks
 from ladder.compare import assert_close, assert_equal
-from ladder.harness import by_row_blocks
 from ladder.nested import REPO, child_env, skip_inside_nested_run
 from reference.formats import REF_DEQUANT, ref_e4m3
 
@@ -72,7 +72,7 @@ def test_fuse_stacks_the_rows_of_its_parts(name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_row_blocks_quantized_and_read_apart_are_the_whole_weight_bit_for_bit(name):
-    """The unit rung quantizes and reads its 7B-shape weights by row blocks in threads (ladder/harness.py
+    """The unit rung quantizes and reads its 7B-shape weights by row blocks in threads (ladder/checks/harness.py
     by_row_blocks): that is the same as one call only if every tensor of the format is kept row by row."""
     fmt, rng = get_format(name), rng_for(5)
     w = quantizable_weight(rng, 37, 512)
