@@ -5,8 +5,10 @@ Each fault is minimal (one wrong position, not a wrecked tensor) and is installe
 one layer's blocks (read from `engine.block.CURRENT_LAYER`); ops called outside a block (the unit rung)
 are always affected. `:FORMAT` limits a fault that reads quantized weights (`per_format`) to the weights
 of that format, so a red run in one format only can be rehearsed: the other formats stay green.
-`ladder/selftest/test_faults.py` runs real rungs with each fault in a subprocess and asserts they go red
-and name the op: a rung that stays green under its fault is a bug in the rung.
+Each fault names the unit rung's checks that must catch it (`checks`, functions of ladder/checks/ops.py):
+ladder/unit/test_planted_faults.py runs them on their explicit examples against a planted backend, on
+every backend and format, and at least one must fail and name the op; ladder/selftest/test_faults.py
+runs real rungs with a fault in a subprocess. A rung that stays green under its fault is a bug in the rung.
 
 The wrappers work on any backend and any format: they change an op's inputs (a quantized weight's
 through its format's own `swap_pair` / `shift_scale`), or, for fp16 accumulation, recompute the op's
@@ -23,6 +25,7 @@ import numpy as np
 from engine.block import CURRENT_LAYER
 from engine.formats import FORMATS, get_format
 from kernels import QuantizedWeight
+from ladder.checks import ops as op_checks
 
 
 @dataclass(frozen=True)
@@ -31,7 +34,7 @@ class Fault:
     ops: tuple[str, ...]  # the ops it wraps (the failure must name one of them, or an op they feed)
     describes: str
     install: Callable  # install(backend, active: Callable[[], bool]); per_format: also in_format: Callable[[str], bool]
-    rung: str  # the cheapest rung that must catch it, as pytest arguments
+    checks: tuple[Callable, ...]  # the unit rung's checks that must catch it (ladder/checks/ops.py), on their examples
     names: tuple[str, ...]  # what the failure message must mention
     per_format: bool = False  # it reads quantized weights: every format's kernels must catch it
 
@@ -165,23 +168,28 @@ def _fp16_accumulation(backend, active, in_format=_every_format):
     _wrap(backend, "down_residual", op_make)
 
 
+# The checks a fault must fail, by function: a renamed or removed check fails here, at import.
+DECODE_CHECKS = (op_checks.check_attention_decode, op_checks.check_attention_decode_at_page_edge)
+ATTENTION_CHECKS = (*DECODE_CHECKS, op_checks.check_attention_prefill)
+LINEAR_CHECKS = (op_checks.check_qkv_proj, op_checks.check_o_proj_residual, op_checks.check_down_residual,
+                 op_checks.check_gate_up_silu)
+LINEAR_OPS = ("qkv_proj", "o_proj_residual", "down_residual", "gate_up_silu")
+
 FAULTS: dict[str, Fault] = {f.name: f for f in (
     Fault("attention_page_edge", ("attention_decode", "attention_prefill"), "off-by-one at a page boundary",
-          _attention_page_edge, "-m unit -k attention", ("attention",)),
+          _attention_page_edge, ATTENTION_CHECKS, ("attention",)),
     Fault("stale_page_read", ("attention_decode",), "a stale page-table entry at a new page",
-          _stale_page_read, "-m unit -k attention_decode", ("attention_decode",)),
+          _stale_page_read, DECODE_CHECKS, ("attention_decode",)),
     Fault("nibble_swap", ("prepare_linear",), "two elements of a row swapped in the unpack",
-          _nibble_swap, "-m unit -k 'qkv_proj or residual or gate_up'", ("qkv_proj", "o_proj_residual", "down_residual", "gate_up_silu"),
-          per_format=True),
+          _nibble_swap, LINEAR_CHECKS, LINEAR_OPS, per_format=True),
     Fault("wrong_group_scale", ("prepare_linear",), "the wrong group's scale",
-          _wrong_group_scale, "-m unit -k 'qkv_proj or residual or gate_up'", ("qkv_proj", "o_proj_residual", "down_residual", "gate_up_silu"),
-          per_format=True),
+          _wrong_group_scale, LINEAR_CHECKS, LINEAR_OPS, per_format=True),
     Fault("dropped_qkv_bias", ("qkv_proj",), "a dropped q/k/v bias",
-          _dropped_qkv_bias, "-m unit -k qkv_proj", ("qkv_proj",)),
+          _dropped_qkv_bias, (op_checks.check_qkv_proj,), ("qkv_proj",)),
     Fault("wrong_rope_theta", ("rope_kv_write",), "a wrong RoPE theta",
-          _wrong_rope_theta, "-m unit -k rope", ("rope",)),
+          _wrong_rope_theta, (op_checks.check_rope_kv_write,), ("rope",)),
     Fault("fp16_accumulation", ("down_residual",), "fp16 accumulation in a GEMV",
-          _fp16_accumulation, "-m unit -k residual", ("down_residual",), per_format=True),
+          _fp16_accumulation, (op_checks.check_down_residual,), ("down_residual",), per_format=True),
 )}
 
 

@@ -1,12 +1,11 @@
 """Unit rung: proof, in this process, that the rung's own checks catch every planted fault.
 
 For each fault of ladder/faults.py, a fresh Backend object of the backend under test gets the fault
-planted (its ops wrapped, exactly as `--plant-fault` does), and the unit rung's own checks that the
-fault's catalogue entry selects (its `rung`, e.g. `-m unit -k attention`: the tests of
-ladder/unit/test_ops.py whose names match) run against it here: every parametrization, their explicit
-examples first, then the Hypothesis draws of the profile in force. At least one check must fail and its
-failure must name the op; a rung that stays green under its fault is a bug in the rung. No child
-process is started, so a fault costs the seconds its checks take, on every backend the rung runs.
+planted (its ops wrapped, exactly as `--plant-fault` does), and the checks the fault's catalogue entry
+names (`checks`: functions of ladder/checks/ops.py) run against it on their explicit examples, the ones
+the unit rung runs first on every run. At least one check must fail and its failure must name the op; a
+rung that stays green under its fault is a bug in the rung. No child process is started, so a fault
+costs the seconds its checks take, on every backend the rung runs.
 
 The weight faults read quantized weights through their format's own edits, so they run once per
 format; the others once, in the default format. That `nanoqwen ladder --plant-fault` turns a whole run
@@ -15,46 +14,26 @@ red end to end is a command test (ladder/selftest/test_faults.py).
 
 from __future__ import annotations
 
-import itertools
-import shlex
-import sys
+import inspect
 
 import pytest
 
 from engine.formats import DEFAULT_FORMAT, get_format
 from kernels import get_backend
 from ladder import compare, plugin
+from ladder.checks import ops
 from ladder.faults import FAULTS, plant
-from ladder.unit import test_ops
 
-# What a failing check raises: an assertion, pytest.fail, or Hypothesis's group of several (Python 3.11+).
-# Anything else (a TypeError from a wrong call) is an error of this test, and propagates.
-CHECK_FAILED = (AssertionError, pytest.fail.Exception) + ((BaseExceptionGroup,) if sys.version_info >= (3, 11) else ())
 WEIGHT_FAULTS = sorted(name for name, f in FAULTS.items() if f.per_format)
 OTHER_FAULTS = sorted(name for name, f in FAULTS.items() if not f.per_format)
 
 
-def selected_checks(fault) -> list:
-    """The test functions of test_ops.py that the fault's `-k` expression (words joined by `or`) selects."""
-    args = shlex.split(fault.rung)
-    words = [w.strip() for w in args[args.index("-k") + 1].split(" or ")]
-    found = [fn for name, fn in vars(test_ops).items()
-             if name.startswith("test_") and callable(fn) and any(w in name for w in words)]
+def examples_of(check) -> tuple[dict, ...]:
+    """A check's explicit examples; a check without any proves nothing, which is this test's error."""
+    found = getattr(check, "examples", ())
     if not found:
-        raise AssertionError(f"fault {fault.name}: `{fault.rung}` selects no check of ladder/unit/test_ops.py")
+        raise AssertionError(f"{check.__name__} has no explicit examples (ladder/checks/ops.py `@examples`) to run under a fault")
     return found
-
-
-def parametrizations(fn) -> list[dict]:
-    """Every combination of the function's `pytest.mark.parametrize` values, as keyword arguments."""
-    axes = []
-    for mark in getattr(fn, "pytestmark", []):
-        if mark.name != "parametrize":
-            continue
-        names = [n.strip() for n in mark.args[0].split(",")] if isinstance(mark.args[0], str) else list(mark.args[0])
-        values = [v.values if hasattr(v, "values") else v for v in mark.args[1]]
-        axes.append([dict(zip(names, v if len(names) > 1 else (v,))) for v in values])
-    return [dict(kv for d in combo for kv in d.items()) for combo in itertools.product(*axes)] or [{}]
 
 
 def failures_under(fault_name: str, backend_name: str, fmt) -> list[str]:
@@ -64,27 +43,22 @@ def failures_under(fault_name: str, backend_name: str, fmt) -> list[str]:
     plant(backend, fault_name)
     messages, start = [], len(compare.RECORDS)
     try:
-        _run_checks(fault, backend, fmt, messages)
+        for check in fault.checks:
+            in_format = {"fmt": fmt} if "fmt" in inspect.signature(check).parameters else {}
+            for args in examples_of(check):
+                try:
+                    check(backend, **in_format, **args)
+                except AssertionError as e:  # anything else (a TypeError from a wrong call) is this test's error
+                    messages.append(str(e))  # the check's own words (not this loop's): they must name the op
     finally:  # the planted backend's errors are this test's evidence, not the rung's per-op figures
         del compare.RECORDS[start:]
     return messages
 
 
-def _run_checks(fault, backend, fmt, messages: list[str]) -> None:
-    for fn in selected_checks(fault):
-        wanted = fn.hypothesis.inner_test.__code__.co_varnames if hasattr(fn, "hypothesis") else fn.__code__.co_varnames
-        fixtures = {k: v for k, v in (("backend", backend), ("quant_format", fmt)) if k in wanted}
-        for params in parametrizations(fn):
-            try:
-                fn(**fixtures, **params)
-            except CHECK_FAILED as e:
-                messages.append(str(e))  # the check's own words (not this loop's): they must name the op
-
-
 def check_fault(fault_name: str, backend_name: str, fmt) -> None:
     fault = FAULTS[fault_name]
     messages = failures_under(fault_name, backend_name, fmt)
-    checks = ", ".join(fn.__name__ for fn in selected_checks(fault))
+    checks = ", ".join(check.__name__ for check in fault.checks)
     assert messages, (f"planted fault {fault_name} ({fault.describes}) left the unit rung's checks green on "
                       f"{backend_name} [{fmt.name}]: {checks}")
     named = [m for m in messages if any(n in m for n in fault.names)]
@@ -102,11 +76,16 @@ def test_a_planted_fault_fails_the_rungs_checks(backend, fault_name):
 
 
 def test_a_fault_the_checks_miss_is_reported(backend, monkeypatch):
-    """The proof can fail: a 'fault' that changes nothing leaves its checks green, and that is an error."""
+    """The proof can fail: a 'fault' that changes nothing leaves its checks green, and that is an error;
+    so is a check with no examples to run."""
     from ladder.faults import Fault
 
     harmless = Fault("harmless", ("embed",), "changes nothing", lambda backend, active: None,
-                     "-m unit -k embed_copies", ("embed",))
+                     (ops.check_embed,), ("embed",))
     monkeypatch.setitem(FAULTS, "harmless", harmless)
     with pytest.raises(AssertionError, match="left the unit rung's checks green"):
+        check_fault("harmless", backend.name, get_format(DEFAULT_FORMAT))
+    monkeypatch.setitem(FAULTS, "harmless", Fault("harmless", ("embed",), "changes nothing", lambda backend, active: None,
+                                                  (ops.check_linear_residual,), ("embed",)))
+    with pytest.raises(AssertionError, match="check_linear_residual has no explicit examples"):
         check_fault("harmless", backend.name, get_format(DEFAULT_FORMAT))
