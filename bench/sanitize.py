@@ -3,15 +3,16 @@ can see.
 
     python3 -m bench.sanitize [--tools memcheck,racecheck,initcheck]     (from the repository root)
 
-First two planted kernels must be flagged, or the script fails (a blind sanitizer cannot pass):
+First the planted kernels must be flagged, or the script fails (a blind sanitizer cannot pass):
   - `planted_oob`: each thread writes one element past the end of its array (memcheck);
   - `planted_divergent_barrier`: a __syncthreads inside a warp-divergent branch, and a shared-memory
     read of a value another warp wrote with no barrier between them (racecheck);
   - `planted_uninit`: a read of device memory nothing wrote (initcheck).
-Then every op of the backend at small shapes (the quantized linears' GEMV and prefill paths in every
-format the backend has a launcher for, each GEMV in its default variant; split-K attention with
-NaN-filled free pages, RoPE page writes, lm_head, argmax), through the unit rung's checks
-(ladder/unit/test_ops.py, against reference/), must run with no error and pass under both tools.
+Then every op of the backend at small shapes (`run_ops`: the quantized linears' GEMV and prefill paths in
+every format the backend has a launcher for, each GEMV in its default variant; split-K attention with
+NaN-filled free pages, RoPE page writes, embed, rmsnorm, lm_head, argmax, decode_advance), through the
+unit rung's op checks (ladder/checks/ops.py, against reference/) on explicit inputs, must run with no
+error and pass under each tool. Neither pytest nor Hypothesis is needed.
 
 CuPy's memory pool is turned off in the checked process (`cupy.cuda.set_allocator(None)`): with the pool
 on, an out-of-bounds write lands inside a larger pooled block and memcheck does not see it.
@@ -19,12 +20,15 @@ on, an out-of-bounds write lands inside a larger pooled block and memcheck does 
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from bench.checks import refuse
 
 ERROR_EXIT = 86  # compute-sanitizer's exit status when it reports an error
 
@@ -88,45 +92,51 @@ def child(what: str) -> None:
         print("SANITIZE-CHILD-DONE", flush=True)
         return
 
-    from hypothesis import settings
-
-    # The @given checks called below run their explicit examples plus a few drawn ones, with no deadline:
-    # under a sanitizer every launch is many times slower, and a deadline would fail the run for that.
-    # Loaded before test_ops is imported: @given binds the default settings when it decorates a test.
-    settings.register_profile("nanoqwen-sanitize", max_examples=5, deadline=None, derandomize=True)
-    settings.load_profile("nanoqwen-sanitize")
-
-    from engine.formats import get_format
-    from fixtures.strategies import PagedCase
     from kernels import get_backend
-    from ladder.unit import test_ops as unit
 
-    # The unit rung's own checks (against reference/ops.py with the ladder's tolerance table), at small shapes.
-    be = get_backend("cuda")
     try:
-        unit.test_embed_copies_rows_exactly(backend=be)
-        unit.test_rmsnorm_reads_rows_of_a_larger_buffer(be, 2, 1)
-        for fmt in map(get_format, be.formats):  # every format with a launcher
-            print(f"SANITIZE-CHILD linears of {fmt.name}", flush=True)
-            for T in (1, 3):  # the GEMV path, then the prefill path
-                unit.check_qkv_proj(be, fmt, T, 256, 72, seed=1)
-                unit.check_linear_residual(be, fmt, "o_proj_residual", T, 256, 128, seed=1)
-                unit.check_gate_up_silu(be, fmt, T, 128, 40, seed=1)
-                unit.check_linear_residual(be, fmt, "down_residual", T, 256, 136, seed=1)
-        unit.test_rope_kv_write_rotates_and_writes_only_its_slots(backend=be)
-        for nq, nkv, d in ((2, 2, 64), (14, 2, 128)):
-            for L, T in ((17, 1), (17, 17)):
-                unit._check_attention(be, "attention_decode" if T == 1 else "attention_prefill",
-                                      PagedCase.build(seed=L, L=L, T=T, nq=nq, nkv=nkv, d=d, layout="shuffled"))
-        be.pages_per_split = 1  # split-K with empty splits and the combine
-        unit._check_attention(be, "attention_decode", PagedCase.build(seed=33, L=33, T=1, nq=14, nkv=2, d=128, layout="sparse"))
-        unit.test_lm_head_fp16_weight_fp32_logits(backend=be)
-        unit.test_argmax_lowest_index_wins_a_tie(backend=be)
+        run_ops(get_backend("cuda"))
     except AssertionError as e:
         print(f"SANITIZE-CHILD-WRONG-RESULTS {e}", flush=True)
         sys.exit(3)
     cp.cuda.Device().synchronize()
     print("SANITIZE-CHILD-DONE", flush=True)
+
+
+def run_ops(be, say=lambda line: print(line, flush=True)) -> None:
+    """Every op of backend `be` through the unit rung's op checks (against reference/ops.py with the
+    ladder's tolerance table), on explicit small inputs: each check's own examples and a few more that
+    reach the kernels' other paths (the drawn shapes of the unit rung's tests, fixed here: a run under a
+    sanitizer is many times slower, and the same every time). A wrong result is an AssertionError."""
+    from engine.formats import get_format
+    from fixtures.cases import PagedCase
+    from ladder.checks import ops
+
+    def on_examples(check, *more: dict):
+        for args in (*check.examples, *more):
+            check(be, **args)
+
+    on_examples(ops.check_embed, dict(T=40, V=1000, H=256, seed=1))  # many rows, the largest table
+    on_examples(ops.check_rmsnorm, dict(T=20, H=896, eps=1e-5, kind="large", seed=2))
+    ops.check_rmsnorm_rows(be, 2, 1)
+    for fmt in map(get_format, be.formats):  # every format with a launcher
+        say(f"SANITIZE-CHILD linears of {fmt.name}")
+        for T in (1, 3):  # the GEMV path, then the prefill path
+            ops.check_qkv_proj(be, fmt, T, 256, 72, seed=1)
+            ops.check_linear_residual(be, fmt, "o_proj_residual", T, 256, 128, seed=1)
+            ops.check_gate_up_silu(be, fmt, T, 128, 40, seed=1)
+            ops.check_linear_residual(be, fmt, "down_residual", T, 256, 136, seed=1)
+    on_examples(ops.check_rope_kv_write, dict(T=20, start=8190, nkv=4, ratio=2, d=64, theta=1e4, layout="sparse", seed=3))
+    for nq, nkv, d in ((2, 2, 64), (14, 2, 128)):
+        for L, T in ((17, 1), (17, 17)):
+            ops.check_attention(be, "attention_decode" if T == 1 else "attention_prefill",
+                                PagedCase.build(seed=L, L=L, T=T, nq=nq, nkv=nkv, d=d, layout="shuffled"))
+    if hasattr(be, "pages_per_split"):
+        be.pages_per_split = 1  # split-K with empty splits and the combine
+    ops.check_attention_decode(be, PagedCase.build(seed=33, L=33, T=1, nq=14, nkv=2, d=128, layout="sparse"))
+    on_examples(ops.check_lm_head, dict(V=4096, H=256, seed=1))
+    on_examples(ops.check_argmax, dict(V=1, ties=0, seed=2), dict(V=2, ties=5, seed=3))
+    on_examples(ops.check_decode_advance)
 
 
 # ---- the driver --------------------------------------------------------------------------------
@@ -150,17 +160,27 @@ def summary_lines(text: str) -> str:
     return "\n".join("    " + ln for ln in found + own[-1:])
 
 
-def main() -> int:
-    if len(sys.argv) == 3 and sys.argv[1] == "--child":
-        child(sys.argv[2])
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m bench.sanitize", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                 epilog="Exit status: 0 every tool flagged its planted bug and found the ops clean, "
+                                        "1 otherwise, 2 no compute-sanitizer or a bad option.")
+    ap.add_argument("--tools", default=",".join(TOOLS), metavar="TOOL[,TOOL...]",
+                    help="comma list of the compute-sanitizer tools to run, each after its planted bug")
+    # the process each tool runs: a planted kernel or the backend's ops (`run_ops`)
+    ap.add_argument("--child", choices=(*PLANTED.values(), "ops"), help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        child(args.child)
         return 0
-    tools = TOOLS
-    if len(sys.argv) == 3 and sys.argv[1] == "--tools":
-        tools = tuple(t for t in sys.argv[2].split(",") if t)
-        unknown = [t for t in tools if t not in PLANTED]
-        if unknown:
-            print(f"FAIL: unknown tool(s) {', '.join(unknown)}; known: {', '.join(TOOLS)}")
-            return 2
+    tools = tuple(t for t in args.tools.split(",") if t)
+    unknown = [t for t in tools if t not in PLANTED]
+    if unknown:
+        return refuse("bench.sanitize", f"unknown tool(s) {', '.join(unknown)}; known: {', '.join(TOOLS)}")
     sanitizer = find_sanitizer()
     if sanitizer is None:
         print("FAIL: compute-sanitizer not found (looked on PATH, CUDA_HOME, CUDA_PATH, /usr/local/cuda, beside nvcc)")
