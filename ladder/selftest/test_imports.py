@@ -1,6 +1,8 @@
 """Self-test: the arrows between the parts point one way. A scan of every import in every top-level
 package (bench/ included) against the one table of ladder/arrows.py, which docs/ARCHITECTURE.md draws,
-and, inside ladder/, its layers: the ladder itself, the tools that drive it, the self-tests.
+and, inside ladder/, its layers: the ladder itself, the tools that drive it, the self-tests. And no module
+imports a test module (`test_*.py`): pytest collects those; what another module needs from one moves
+into a library (the op checks: ladder/checks/).
 """
 
 from __future__ import annotations
@@ -104,3 +106,54 @@ def test_the_scan_sees_a_wrong_arrow(tmp_path):
     assert not allowed("ladder.tools.bisect", "ladder.selftest.test_bisect")
     assert allowed("ladder.tools.mutate", "ladder.nested") and allowed("ladder.tools.mutate", "ladder.tools.mutants")
     assert allowed("ladder.selftest.test_mutants", "ladder.tools.mutate") and allowed("bench.measure", "ladder.tools.gemv_timing")
+
+
+def _is_test_module(dotted: str) -> bool:
+    return dotted.split(".")[-1].startswith("test_")
+
+
+def imports_of_test_modules(path: Path) -> list[tuple[int, str]]:
+    """(line, module) for each import of a test module in `path`: `import a.test_x`, `from a.test_x import
+    y`, `from a import test_x` (relative ones too), and importlib's or `__import__`'s with a literal name."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names if any(map(_is_test_module, a.name.split(".")))]
+        elif isinstance(node, ast.ImportFrom):
+            base = "." * node.level + (node.module or "")
+            if any(_is_test_module(part) for part in (node.module or "").split(".")):
+                found.append((node.lineno, base))
+            sep = "" if base.endswith(".") else "."
+            found += [(node.lineno, f"{base}{sep}{a.name}") for a in node.names if _is_test_module(a.name)]
+        elif (isinstance(node, ast.Call) and ast.unparse(node.func) in ("importlib.import_module", "import_module", "__import__")
+              and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)
+              and any(map(_is_test_module, node.args[0].value.split(".")))):
+            found.append((node.lineno, node.args[0].value))
+    return sorted(found)
+
+
+# The one import of a test module still to move, and where to: the layer rung's block check
+# (BlockUnderTest, check_block of ladder/layer/test_layer.py) into ladder/checks/.
+NOT_MOVED_YET = {("ladder/selftest/test_dequantized.py", "ladder.layer.test_layer")}
+
+
+def test_no_module_imports_a_test_module():
+    # a test module is pytest's to collect: a check, a helper or a case another module needs lives in a library
+    paths = [p for pkg in sorted(ARROWS) for p in sorted((REPO / pkg).rglob("*.py"))] + [REPO / "conftest.py"]
+    found = [(str(path.relative_to(REPO)), line, name) for path in paths for line, name in imports_of_test_modules(path)]
+    bad = [f"{rel}:{line} imports {name}" for rel, line, name in found if (rel, name) not in NOT_MOVED_YET]
+    assert not bad, "move what these need out of the test module (ladder/checks/ holds the op checks):\n" + "\n".join(bad)
+    stale = NOT_MOVED_YET - {(rel, name) for rel, _, name in found}
+    assert not stale, f"moved already: take them off NOT_MOVED_YET: {sorted(stale)}"
+
+
+def test_the_scan_sees_a_test_module_import(tmp_path):
+    f = tmp_path / "x.py"
+    f.write_text("from ladder.unit import test_ops\nimport ladder.unit.test_ops as t\n"
+                 "from ladder.unit.test_ops import check_x\nfrom .test_near import y\nfrom . import test_rel\n"
+                 "import importlib\nimportlib.import_module('ladder.selftest.test_bisect')\n"
+                 "from ladder.checks import ops\nfrom fixtures.tests_data import x\nimport pytest\n")
+    assert imports_of_test_modules(f) == [(1, "ladder.unit.test_ops"), (2, "ladder.unit.test_ops"),
+                                          (3, "ladder.unit.test_ops"), (4, ".test_near"), (5, ".test_rel"),
+                                          (7, "ladder.selftest.test_bisect")]
