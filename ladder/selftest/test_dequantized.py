@@ -35,7 +35,7 @@ def test_the_layer_rungs_block_check_reads_only_its_layer(path):
     check that iterated the mapping's items once read every layer)."""
     from fixtures.layer_cases import LayerCase
     from kernels import get_backend
-    from ladder.layer.test_layer import BlockUnderTest, check_block
+    from ladder.checks.block import BlockUnderTest, check_block
     from reference.model import ref_block
 
     block = BlockUnderTest.from_file(path)

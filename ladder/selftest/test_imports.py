@@ -133,19 +133,13 @@ def imports_of_test_modules(path: Path) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-# The one import of a test module still to move, and where to: the layer rung's block check
-# (BlockUnderTest, check_block of ladder/layer/test_layer.py) into ladder/checks/.
-NOT_MOVED_YET = {("ladder/selftest/test_dequantized.py", "ladder.layer.test_layer")}
-
-
 def test_no_module_imports_a_test_module():
     # a test module is pytest's to collect: a check, a helper or a case another module needs lives in a library
     paths = [p for pkg in sorted(ARROWS) for p in sorted((REPO / pkg).rglob("*.py"))] + [REPO / "conftest.py"]
     found = [(str(path.relative_to(REPO)), line, name) for path in paths for line, name in imports_of_test_modules(path)]
-    bad = [f"{rel}:{line} imports {name}" for rel, line, name in found if (rel, name) not in NOT_MOVED_YET]
-    assert not bad, "move what these need out of the test module (ladder/checks/ holds the op checks):\n" + "\n".join(bad)
-    stale = NOT_MOVED_YET - {(rel, name) for rel, _, name in found}
-    assert not stale, f"moved already: take them off NOT_MOVED_YET: {sorted(stale)}"
+    bad = [f"{rel}:{line} imports {name}" for rel, line, name in found]
+    assert not bad, ("move what these need out of the test module (ladder/checks/ holds the op and block "
+                     "checks):\n" + "\n".join(bad))
 
 
 def test_the_scan_sees_a_test_module_import(tmp_path):

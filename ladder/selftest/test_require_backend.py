@@ -216,7 +216,7 @@ def test_generate_on_a_gpu_the_kernels_cannot_run_on_is_one_line(fake_gpus, caps
     from engine.cli import main as cli_main
 
     fake_gpus(A100)
-    assert cli_main(["generate", "--prompt-ids", "1,2", "--max-new-tokens", "1", "--backend", "cuda"]) == 2
+    assert cli_main(["generate", "--prompt-ids", "1,2", "--new-tokens", "1", "--backend", "cuda"]) == 2
     err = capsys.readouterr().err
     assert err == f"nanoqwen: error: backend 'cuda' cannot run here: {A100_WHY}\n", err
 
