@@ -36,7 +36,7 @@ from typing import Callable, Iterable, Iterator, TypeVar
 
 import numpy as np
 
-from engine import errors as E
+import engine.errors as E
 
 MAGIC = b"NANOQWEN"
 VERSION = 1

@@ -8,7 +8,7 @@ traceback from the command line, the prompt reader or `nanoqwen descend`.
 
 from __future__ import annotations
 
-from engine import errors as E
+import engine.errors as E
 
 NAME = "tokenizer.json"
 

@@ -151,3 +151,41 @@ def test_the_scan_sees_a_test_module_import(tmp_path):
     assert imports_of_test_modules(f) == [(1, "ladder.unit.test_ops"), (2, "ladder.unit.test_ops"),
                                           (3, "ladder.unit.test_ops"), (4, ".test_near"), (5, ".test_rel"),
                                           (7, "ladder.selftest.test_bisect")]
+
+
+def engine_import_graph() -> dict[str, set[str]]:
+    """engine's modules -> the engine modules each imports (anywhere in the file: a function-level
+    import closes a circle as surely as a top-level one)."""
+    graph = {}
+    for path in sorted((REPO / "engine").rglob("*.py")):
+        graph[module_name(path)] = {m for _, m in imports_of(path) if m.split(".")[0] == "engine"}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every import circle of `graph`, each once (from its smallest module)."""
+    found, seen = [], set()
+
+    def walk(start, node, path):
+        for nxt in sorted(graph.get(node, ())):
+            if nxt == start:
+                key = frozenset(path)
+                if key not in seen:
+                    seen.add(key)
+                    found.append(path + [start])
+            elif nxt not in path and nxt in graph and nxt > start:
+                walk(start, nxt, path + [nxt])
+
+    for m in sorted(graph):
+        walk(m, m, [m])
+    return found
+
+
+def test_no_import_circle_among_the_engines_modules():
+    """The engine's modules import one way (the CLI's progress bar once came back to it through resolve:
+    engine/progress.py is the one progress line now)."""
+    assert circles(engine_import_graph()) == []
+
+
+def test_the_circle_scan_sees_a_circle():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
