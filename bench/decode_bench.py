@@ -129,7 +129,7 @@ def torch_reference_logits(model, ids, last: int):
 
 def reference_check(model, prompt, tokens, n=8):
     """The engine's first n tokens against the fp32 reference, teacher-forced on the engine's tokens."""
-    from ladder.tolerances import NEAR_TIE_EPS
+    from ladder.judges.tolerances import NEAR_TIE_EPS
 
     ids = list(prompt) + list(tokens[: n - 1])
     ref = torch_reference_logits(model, ids, n)

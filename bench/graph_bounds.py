@@ -5,7 +5,7 @@ taken as its maximum (the rung's rule) or as its 99.9th percentile.
     python -m bench.graph_bounds --model trained-like-0.5b --prompts 10
     python -m bench.graph_bounds --model FILE|HF_DIR --faults   # also every fault of the catalogue
 
-For each model it runs the rung's own pieces (ladder/tokens.py): the HF simulation's greedy runs on the
+For each model it runs the rung's own pieces (ladder/judges/tokens.py): the HF simulation's greedy runs on the
 floor prompts (FLOOR_PROMPTS of the prompt set, spread over the lengths) and on the judged prompts (the
 first N of the set, as `-k heldout-00` selects), the floor, and the correct NumPy engine's logits. Then,
 for each floor statistic:
@@ -18,7 +18,7 @@ for each floor statistic:
   residual stream, scaled by (1 + s) in every layer, turns the rung red: the engine runs with the fault at
   two strengths, the threshold is interpolated (the logit error grows linearly in s) and then checked by
   a run on either side of it;
-- with `--faults`, each fault of ladder/faults.py: its max logit difference as a multiple of allowed, its
+- with `--faults`, each fault of ladder/checks/faults.py: its max logit difference as a multiple of allowed, its
   token failures, and its verdict.
 
 "Red" is the graph rung's verdict on the judged prompts: any logit past the allowed difference, any
@@ -45,7 +45,7 @@ class Bench:
 
         from fixtures.dequantized import dequantized_weights
         from fixtures.prompts import prompts_for_model
-        from ladder.tokens import measure_floor, reference_greedy, spread_by_length, tokens_to_generate
+        from ladder.judges.tokens import measure_floor, reference_greedy, spread_by_length, tokens_to_generate
         from reference.hf import hf_model
 
         self.path = path
@@ -68,7 +68,7 @@ class Bench:
     def engine_logits(self, plant) -> dict[str, np.ndarray]:
         import engine
         from kernels import get_backend
-        from ladder.tokens import engine_logits
+        from ladder.judges.tokens import engine_logits
 
         backend = get_backend("numpy")
         if plant is not None:
@@ -81,7 +81,7 @@ class Bench:
 
     def verdict(self, bounds, logits) -> tuple[bool, float]:
         """(red, max logit difference / allowed) of the graph rung on the judged prompts."""
-        from ladder.tokens import compare_greedy, judge_flips, summarize
+        from ladder.judges.tokens import compare_greedy, judge_flips, summarize
 
         results = [compare_greedy(p.id, self.refs[p.id], logits[p.id], "numpy", bounds=bounds) for p in self.judged]
         (summary,) = summarize(results)
@@ -159,8 +159,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=10, help="judged prompts: the first N of the prompt set")
     ap.add_argument("--faults", action="store_true", help="also run every fault of the catalogue")
     args = ap.parse_args(argv)
-    from ladder.faults import FAULTS, plant
-    from ladder.tokens import bounds_from_measurement
+    from ladder.checks.faults import FAULTS, plant
+    from ladder.judges.tokens import bounds_from_measurement
 
     bench = Bench(resolve_model(args.model), args.prompts)
     stats = {stat: bounds_from_measurement(bench.floor, stat) for stat in ("max", "q999")}

@@ -229,7 +229,7 @@ def _gemv_reference(model, op, residual):
 def sweep_gemv(model, seq, token):
     """Time every GEMV variant of the model's format per op (cold weights), check each against
     reference/ops.py with the ladder's tolerance table (TOL), keep the fastest that passes."""
-    from ladder.compare import measure
+    from ladder.judges.compare import measure
 
     be, L = model.backend, model.config.num_hidden_layers
     ws = model._decode_ws
@@ -266,7 +266,7 @@ def sweep_attention(model, seq, token):
     context, check each against reference/ops.py with the ladder's tolerance (TOL["attention"]), keep
     the fastest that passes. Returns {"chosen", "variants": {name: {ms, max_abs_err, bound, ok, kernel}}}."""
     from kernels.cuda import ATTENTION_VARIANTS
-    from ladder.compare import measure
+    from ladder.judges.compare import measure
     from reference import ops as ref_ops
 
     be, c, L = model.backend, model.config, model.config.num_hidden_layers

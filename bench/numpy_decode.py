@@ -15,7 +15,7 @@ file). Each part runs in its own child process, so its peak RSS (getrusage ru_ma
 - `hf`: the HF simulation as the graph rung builds it (fixtures/dequantized.py + reference/hf.py);
 - `graph`: both, as one graph-rung worker holds them, then --graph-prompts prompts of --graph-prompt-len
   random ids inside the vocab, --graph-new-tokens each: `reference_greedy` (HF) and `engine_logits`
-  (engine) timed per prompt (ladder/tokens.py), with how many greedy tokens agree and the largest
+  (engine) timed per prompt (ladder/judges/tokens.py), with how many greedy tokens agree and the largest
   logit difference (the rung's own verdict needs its per-model bounds, which this does not derive).
 
 `--repack-mb N` sets the NumPy backend's fp32 repack budget (kernels/numpy: 0 keeps every linear as
@@ -144,7 +144,7 @@ def part_graph(args) -> dict:
     import torch
 
     import engine
-    from ladder.tokens import engine_logits, reference_greedy
+    from ladder.judges.tokens import engine_logits, reference_greedy
 
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)

@@ -60,7 +60,7 @@ def prefill_times(formats, tokens, shape: str = "qwen2.5-coder-7b", seed: int = 
     from engine.config import SHAPES
     from engine.formats import get_format
     from kernels.base import get_backend
-    from ladder.compare import measure
+    from ladder.judges.compare import measure
     from ladder.tools.gemv_timing import (
         BLOCK_ROWS,
         _reference,

@@ -38,8 +38,8 @@ from engine.formats import DEFAULT_FORMAT, FORMATS
 
 # The commands that live outside the engine: name -> "module:register", `register(subparsers)` adding it.
 COMMANDS = {
-    "ladder": "ladder.runner:register",
-    "ladder-merge": "ladder.runner:register_merge",  # typed `nanoqwen ladder merge`
+    "ladder": "ladder.run.runner:register",
+    "ladder-merge": "ladder.run.runner:register_merge",  # typed `nanoqwen ladder merge`
     "bisect": "ladder.tools.bisect:register",
     "descend": "ladder.tools.descend:register",
     "bench": "bench.cli:register",

@@ -12,7 +12,7 @@ left, from the rate so far: `convert: 120/452 tensors, 31.0 s, about 1 min 26 s 
 A pytest-xdist worker's stderr is captured, so a line from inside a fixture would be seen by nobody.
 When NANOQWEN_PROGRESS_DIR names a folder (`nanoqwen ladder` sets it for each rung), every line is also
 written there, one file per process (`PID.line`, replaced at each line): the ladder prints the new lines
-as they come, and a rung whose folder stays silent for its stated time is stopped (ladder/runner.py).
+as they come, and a rung whose folder stays silent for its stated time is stopped (ladder/run/runner.py).
 `heartbeat(text)` writes there alone: a sign of life without a line on stderr.
 """
 

@@ -3,7 +3,7 @@ or the embedded default model) and the prompt it gives it (token ids, or text th
 tokenizer). The product command line (engine/cli.py) and the ladder's commands share these.
 
 The default model is the one thing here that comes from fixtures/: `fixtures.default_model`, imported
-only when no model is named (the arrow is in ladder/arrows.py)."""
+only when no model is named (the arrow is in ladder/selftest/arrows.py)."""
 
 from __future__ import annotations
 

@@ -164,7 +164,7 @@ class Backend(abc.ABC):
 # --- observing launches ---------------------------------------------------------------------------------
 
 # A device backend whose kernels are launched by name reports each launch here while an observer is set
-# (the ladder's launch map, ladder/launches.py): the set receives "<backend folder>::<entry point>".
+# (the ladder's launch map, ladder/changes/launches.py): the set receives "<backend folder>::<entry point>".
 _launch_observer: set | None = None
 
 

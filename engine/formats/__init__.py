@@ -9,7 +9,7 @@ A format owns the definition of its numbers (docs/FORMAT.md has one section per 
   `check_linear(out, in)` the shape rule it needs (e.g. inputs a multiple of its group);
 - `fuse(parts)` joins the linears that share an input (q/k/v, gate/up) into one weight;
 - `swap_pair` and `shift_scale` edit stored tensors the way two classic kernel bugs misread them
-  (the ladder's planted faults, ladder/faults.py, go through these and nothing else).
+  (the ladder's planted faults, ladder/checks/faults.py, go through these and nothing else).
 
 Its kernels live in `kernels/<backend>/<name>.py` (and `kernels/cuda/<name>.cu`), found by name: a
 backend without the module reports the format as unsupported (`FormatNotSupportedError`). Its

@@ -19,7 +19,7 @@ from fixtures.tiny_model import random_weights
 from ladder.checks.blockrun import run_engine_block
 from ladder.checks.harness import host_threads
 from ladder.checks.opcheck import first_op_over_its_bound, op_checks, recording
-from ladder.compare import assert_close
+from ladder.judges.compare import assert_close
 from reference.model import ref_block
 
 F16, F32 = np.float16, np.float32

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.config import PAGE_SIZE, Qwen2Config
-from ladder.compare import measure
+from ladder.judges.compare import measure
 from reference import ops as ref_ops
 
 F16, F32 = np.float16, np.float32

@@ -19,7 +19,7 @@ import numpy as np
 
 from fixtures.cases import PAGE_BOUNDARY_LENGTHS, PagedCase, fp16, make_page_table, quantizable_weight, rng_for
 from ladder.checks.harness import by_row_blocks, dev, host, quantized, sentinel
-from ladder.compare import assert_close, assert_equal
+from ladder.judges.compare import assert_close, assert_equal
 from reference import ops as ref_ops
 from reference.formats import REF_DEQUANT
 

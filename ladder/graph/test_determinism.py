@@ -9,7 +9,7 @@ import pytest
 
 import engine
 from fixtures.prompts import prompts_for_model
-from ladder.tokens import spread_by_length, tokens_to_generate
+from ladder.judges.tokens import spread_by_length, tokens_to_generate
 
 RUNS = 3
 PROMPTS = 6  # spread over the prompt lengths: short, on a page edge, long

@@ -2,21 +2,21 @@
 
 The HF simulation is transformers' `Qwen2ForCausalLM` in float32 on the engine's own dequantized weights
 (reference/hf.py), so a red test points at the engine's kernels, not at quantization. Each prompt
-generates past the next 16-token page boundary (ladder/tokens.py `new_tokens_for`; `--new-tokens N`
+generates past the next 16-token page boundary (ladder/judges/tokens.py `new_tokens_for`; `--new-tokens N`
 sets the count), and the comparison follows docs/LADDER.md's "Token comparison": exact tokens pass, a
 mismatch under the near-tie epsilon is a recorded near-tie (teacher-forced), any other mismatch fails
 with prompt id, position, both tokens and the reference's margin, and so does any logit further from
 the reference than the allowed difference. Near-ties are judged together, after the last prompt: the
-engine may not flip them more often than the plain forward does at the floor prompts (ladder/tokens.py
+engine may not flip them more often than the plain forward does at the floor prompts (ladder/judges/tokens.py
 `judge_flips`, decided by the plugin over every prompt the run compared). `test_the_model_is_not_too_flat_to_judge`
 refuses a model whose allowed difference is comparable to the spread of its logits.
 
 The epsilon and the allowed difference are the model's own: the `bounds` fixture derives them once per
-model (one worker measures, the others and later runs read them: ladder/reference_store.py) from the model's noise floor (the plain fp32 forward with fp16 storage against the HF simulation)
-on a spread of FLOOR_PROMPTS prompts, the same in every worker (ladder/tokens.py `derive_bounds`).
+model (one worker measures, the others and later runs read them: ladder/judges/reference_store.py) from the model's noise floor (the plain fp32 forward with fp16 storage against the HF simulation)
+on a spread of FLOOR_PROMPTS prompts, the same in every worker (ladder/judges/tokens.py `derive_bounds`).
 
 The reference runs once per prompt on a machine (with its own KV cache) and serves every backend: its
-runs are kept under the cache folder with the bounds (ladder/reference_store.py), keyed by the model, the
+runs are kept under the cache folder with the bounds (ladder/judges/reference_store.py), keyed by the model, the
 reference's sources and the library versions, so a later run, shard, bisect step or mutant reads them
 and imports neither torch nor transformers unless a run is missing. On CUDA
 the decode step runs both eager and as the captured graph. Honours `--model`, `--prompts` and
@@ -32,10 +32,10 @@ import os
 import numpy as np
 import pytest
 
-from ladder.reference_store import missing_library
+from ladder.judges.reference_store import missing_library
 
 # The reference needs torch and transformers, but a run whose reference runs and bounds are kept on this
-# machine (ladder/reference_store.py) never imports them: only their presence is checked here.
+# machine (ladder/judges/reference_store.py) never imports them: only their presence is checked here.
 if missing_library():
     pytest.skip(f"the graph rung's reference (the HF simulation) needs {missing_library()}: "
                 "pip install -e '.[test]'", allow_module_level=True)
@@ -43,9 +43,9 @@ if missing_library():
 import engine
 from engine.modelfile import ModelFile
 from fixtures.prompts import default_prompts_path, prompts_for_model, read_prompt_ids
-from ladder.reference_store import KeptReferences, bounds_key, load_or_derive
-from ladder.compare import rerun_command
-from ladder.tokens import (GraphBounds, compare_greedy, derive_bounds, engine_logits, spread_by_length,
+from ladder.judges.reference_store import KeptReferences, bounds_key, load_or_derive
+from ladder.judges.compare import rerun_command
+from ladder.judges.tokens import (GraphBounds, compare_greedy, derive_bounds, engine_logits, spread_by_length,
                            reference_greedy, tokens_to_generate)
 from engine.progress import Progress, progress_bar
 from fixtures.dequantized import dequantized_weights
@@ -73,7 +73,7 @@ def prompts(request, model_path):
 class ReferenceRuns:
     """The HF simulation of one model, built on first use on the reference's device (reference/hf.py
     `model_device`: the GPU where torch sees one); each prompt's greedy run computed once on this
-    machine and kept (ladder/reference_store.py KeptReferences). Building it and the runs it computes
+    machine and kept (ladder/judges/reference_store.py KeptReferences). Building it and the runs it computes
     print progress lines with the time left (engine/progress.py: through the ladder's progress folder,
     since a worker's stderr is captured)."""
 
@@ -162,8 +162,8 @@ _BOUNDS: dict[tuple, GraphBounds] = {}
 def _prompts_of(session, quant: str, floor_ids) -> int:
     """About how many prompts this process will run the simulation on in format `quant`, for the estimate
     of the time left: the floor prompts, and the run's selected prompts of the format, all of them when
-    the format's cases keep to one worker (several formats: ladder/groups.py), else this worker's share."""
-    from ladder.groups import group_of
+    the format's cases keep to one worker (several formats: ladder/plugin/groups.py), else this worker's share."""
+    from ladder.plugin.groups import group_of
     from ladder.plugin import model_formats
 
     items = [item for item in session.items if getattr(item, "callspec", None) is not None
@@ -200,7 +200,7 @@ def bounds(request, model_path, prompts, references):
             with floor.working("the plain forward"):
                 return derive_bounds(*references.dequantized(), runs, progress=lambda i, n, name: floor.update(i))
 
-        # measured once per model by one worker, kept for the others and for later runs (ladder/reference_store.py)
+        # measured once per model by one worker, kept for the others and for later runs (ladder/judges/reference_store.py)
         _BOUNDS[key] = load_or_derive(bounds_key(model_path, chosen, new_tokens), derive)
     return _BOUNDS[key]
 
@@ -248,7 +248,7 @@ def test_greedy_tokens_match_the_hf_simulation(model, prompts, references, bound
 
 def test_the_model_is_not_too_flat_to_judge(bounds, quant_name, record_property):
     """A model whose allowed logit difference is comparable to the spread of its logits is refused: no
-    check could tell a wrong engine from a right one on it (ladder/tokens.py GraphBounds.judgeable). It
+    check could tell a wrong engine from a right one on it (ladder/judges/tokens.py GraphBounds.judgeable). It
     reads the floor prompts only, whatever -k or --prompts selects."""
     record_property("nanoqwen_graph_bounds", {**bounds.record(), "label": quant_name})
     if not bounds.judgeable:

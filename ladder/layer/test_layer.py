@@ -17,7 +17,7 @@ from engine.config import SHAPES
 from fixtures.golden import GoldenError, load_golden
 from fixtures.layer_cases import MODEL_CASES, SEVEN_B_CASES, LayerCase
 from ladder.checks.block import BlockUnderTest, check_block
-from ladder.reference_store import kept_block, missing_library
+from ladder.judges.reference_store import kept_block, missing_library
 
 
 @pytest.fixture(scope="session")
@@ -28,7 +28,7 @@ def model_block(model_path) -> BlockUnderTest:
 @pytest.fixture(scope="session")
 def hf_block():
     """transformers' Qwen2DecoderLayer on a block's weights and input: (output, k, v). Kept per machine
-    (ladder/reference_store.py kept_block), so a run whose blocks are kept imports neither torch nor
+    (ladder/judges/reference_store.py kept_block), so a run whose blocks are kept imports neither torch nor
     transformers; only their presence is checked here."""
     if missing_library():
         pytest.skip(f"the HF reference needs {missing_library()} (pip install -e '.[test]')")

@@ -33,7 +33,7 @@ from engine.formats import FORMAT_MODULES
 from fixtures.tiny_model import build_random_model, random_model_dir, random_model_file
 from engine.cli import main as cli_main
 from kernels import cuda_available
-from ladder.nested import child_env
+from ladder.run.nested import child_env
 
 SMALL = SHAPES["tiny"].replace(num_hidden_layers=2)
 HAS_CUDA = cuda_available()[0]
@@ -187,7 +187,7 @@ needs_installed = pytest.mark.skipif(EXE is None, reason="nanoqwen is not instal
 
 
 def installed(*args, cwd):
-    """The installed command from `cwd`, nothing of the checkout on its path (ladder/nested.py)."""
+    """The installed command from `cwd`, nothing of the checkout on its path (ladder/run/nested.py)."""
     return subprocess.Popen([EXE, *args], cwd=cwd, env=child_env(backend=None, pythonpath=None),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 

@@ -112,7 +112,7 @@ def test_generate_command_on_the_default_model(capsys):
 def test_seeded_model_logits_are_not_flat():
     """The seeded model must make greedy choices clear: median top-1 margin well above the near-tie epsilon."""
     from fixtures.tiny_model import random_model_file
-    from ladder.tolerances import NEAR_TIE_EPS
+    from ladder.judges.tolerances import NEAR_TIE_EPS
 
     m = engine.load(random_model_file())
     margins = []

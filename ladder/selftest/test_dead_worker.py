@@ -6,7 +6,7 @@ workers) on a throwaway test file under tmp_path, picked with `-- FILE -k throwa
 throwaway's folder gives its cases the node ids of a rung's (`ladder/unit/test_throwaway.py::...`). A case
 kills its own worker with SIGKILL, as the out-of-memory killer does; or sleeps with no sign of life past a
 tiny NANOQWEN_STALL_SECONDS; or reports progress through engine/progress.py past it. What is read is the
-command's exit status, its stderr and its report (ladder/liveness.py, ladder/groups.py, ladder/runner.py).
+command's exit status, its stderr and its report (ladder/plugin/liveness.py, ladder/plugin/groups.py, ladder/run/runner.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from ladder.nested import REPO, child_env, skip_inside_nested_run
+from ladder.run.nested import REPO, child_env, skip_inside_nested_run
 
 pytestmark = skip_inside_nested_run
 
@@ -84,7 +84,7 @@ def test_dies():
 
 
 def test_a_second_dead_worker_stops_the_rung_and_says_what_did_not_run(tmp_path):
-    """One replacement worker is allowed (ladder/groups.py WORKER_RESTARTS): a second death stops the run."""
+    """One replacement worker is allowed (ladder/plugin/groups.py WORKER_RESTARTS): a second death stops the run."""
     r, seconds = ladder(tmp_path, """
 @pytest.mark.parametrize("i", range(2))
 def test_dies(i):

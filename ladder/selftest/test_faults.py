@@ -1,10 +1,10 @@
 """Self-test: `nanoqwen ladder --plant-fault` turns a real run red, end to end, and the fault options
-behave. That each fault of ladder/faults.py fails the rung's own checks and names its op is proven in
+behave. That each fault of ladder/checks/faults.py fails the rung's own checks and names its op is proven in
 process, on every backend and format, by the unit rung itself (ladder/unit/test_planted_faults.py);
 here one fault goes through the whole command: option parsing, the rung subprocess, the exit status, the
 banner and the report.
 
-The subprocess selects exactly one backend and gets that backend's environment (ladder/nested.py): the
+The subprocess selects exactly one backend and gets that backend's environment (ladder/run/nested.py): the
 nightly GPU job's NANOQWEN_REQUIRE_GPU=1 is kept for the cuda runs and dropped for the numpy runs
 (otherwise each would be a usage error, exit 4, and not a test of the fault)."""
 
@@ -14,14 +14,14 @@ import subprocess
 
 import pytest
 
-from ladder.faults import FAULTS, parse
-from ladder.nested import run_pytest, skip_inside_nested_run
+from ladder.checks.faults import FAULTS, parse
+from ladder.run.nested import run_pytest, skip_inside_nested_run
 
 pytestmark = skip_inside_nested_run  # the rungs below select by keyword, and would select these tests
 
 
 def run_rung(args: list[str], backend: str = "numpy") -> subprocess.CompletedProcess:
-    """`pytest -x ARGS` on one backend, in a subprocess of its own (ladder/nested.py)."""
+    """`pytest -x ARGS` on one backend, in a subprocess of its own (ladder/run/nested.py)."""
     return run_pytest(["-x", *args], backend)
 
 
@@ -30,7 +30,7 @@ def test_nanoqwen_ladder_with_a_planted_fault_is_red_and_names_the_op(backend, t
     import json
     import sys
 
-    from ladder.nested import REPO, child_env
+    from ladder.run.nested import REPO, child_env
 
     fault = FAULTS["nibble_swap"]
     r = subprocess.run([sys.executable, "-m", "ladder", "ladder", "--backend", backend.name, "--rungs", "unit",

@@ -7,7 +7,7 @@ accepts the file, and engine.tokenizer.embedded_tokenizer(). A stage may succeed
 NanoqwenError whose message is one line; anything else fails the test with the seed, the case
 number and the mutation, replayable with `python -m fixtures.fuzz --seed S --case I`.
 
-The budget follows the active Hypothesis profile (ladder/plugin.py): `ci` runs CASES["ci"] cases in a
+The budget follows the active Hypothesis profile (ladder/plugin/__init__.py): `ci` runs CASES["ci"] cases in a
 few seconds, `nightly` runs CASES["nightly"] (100,000), split into CHUNKS parametrized chunks with
 disjoint seeds so pytest-xdist spreads them over the cores: `python -m pytest -m selftest -k fuzz
 --hypothesis-profile nightly -n auto` (a self-test, so `nanoqwen ladder`'s nightly run does not run it).

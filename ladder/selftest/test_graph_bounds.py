@@ -26,13 +26,13 @@ from fixtures.dequantized import dequantized_weights
 from fixtures.prompts import Prompt
 from fixtures.tiny_model import random_model_file, trained_like_model_file
 from kernels import get_backend
-from ladder import report as ladder_report
-from ladder.faults import FAULTS, plant
-from ladder.nested import run_pytest, skip_inside_nested_run
-from ladder.reference_store import KeptReferences, bounds_key, load_or_derive
-from ladder.tokens import (GraphBounds, compare_greedy, derive_bounds, engine_logits, judge_flips, spread_by_length,
+from ladder.run import report as ladder_report
+from ladder.checks.faults import FAULTS, plant
+from ladder.run.nested import run_pytest, skip_inside_nested_run
+from ladder.judges.reference_store import KeptReferences, bounds_key, load_or_derive
+from ladder.judges.tokens import (GraphBounds, compare_greedy, derive_bounds, engine_logits, judge_flips, spread_by_length,
                            reference_greedy, summarize)
-from ladder.tolerances import FLOOR_PROMPTS, NEAR_TIE_EPS_PER_LOGIT_DIFF, TOL
+from ladder.judges.tolerances import FLOOR_PROMPTS, NEAR_TIE_EPS_PER_LOGIT_DIFF, TOL
 from reference.hf import hf_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -66,7 +66,7 @@ class Case:
         self.prompts = [Prompt(f"p{n}", tuple(int(t) for t in rng.integers(0, vocab - 1, n))) for n in lengths]
         hf = []
 
-        def run(p):  # the HF simulation, built only when a run is not kept (ladder/reference_store.py)
+        def run(p):  # the HF simulation, built only when a run is not kept (ladder/judges/reference_store.py)
             if not hf:
                 hf.append(hf_model(self.config, self.weights))
             return reference_greedy(hf[0], p.ids, new_tokens)

@@ -5,7 +5,7 @@ and its HF simulation once; the unit rung's other cases must spread over every w
 `same_worker(...)` keeps the cases that share those parameters on one worker (the 7B-shape linears'
 decode and prefill cases share one weight). What is read is the worker that ran each case, written by a
 small plugin inside the workers, not a name: pytest 9.2 dropped the `@group` suffix pytest-xdist used to
-give node ids, and a check of the names kept passing on a run whose groups did nothing (ladder/groups.py).
+give node ids, and a check of the names kept passing on a run whose groups did nothing (ladder/plugin/groups.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from ladder.nested import REPO, child_env, skip_inside_nested_run
+from ladder.run.nested import REPO, child_env, skip_inside_nested_run
 
 # Loaded in every worker with `-p`: one line per case, "node id<TAB>worker id", appended as it starts.
 WORKER_LOG = '''
@@ -116,7 +116,7 @@ def test_a_worker_killed_inside_a_group_fails_its_case_and_the_run_ends(tmp_path
 
 
 def test_a_grouped_case_s_rerun_hint_names_the_case_pytest_can_find(monkeypatch):
-    from ladder.compare import rerun_command
+    from ladder.judges.compare import rerun_command
 
     case = "ladder/graph/test_graph.py::test_greedy_tokens_match_the_hf_simulation[heldout-000-numpy-int4_sym_g128]"
     monkeypatch.setenv("PYTEST_CURRENT_TEST", f"{case}@int4_sym_g128-numpy (call)")
@@ -150,7 +150,7 @@ def test_two_workers_killed_at_once_end_the_run_without_an_internal_error():
 
     from xdist.remote import Producer
 
-    from ladder.groups import pytest_xdist_make_scheduler
+    from ladder.plugin.groups import pytest_xdist_make_scheduler
 
     option = SimpleNamespace(dist="loadgroup", tx=["2*popen"], loadscopereorder=False)
     config = SimpleNamespace(option=option, getvalue=lambda name: getattr(option, name))

@@ -1,5 +1,5 @@
 """Self-test: the arrows between the parts point one way. A scan of every import in every top-level
-package (bench/ included) against the one table of ladder/arrows.py, which docs/ARCHITECTURE.md draws,
+package (bench/ included) against the one table of ladder/selftest/arrows.py, which docs/ARCHITECTURE.md draws,
 and, inside ladder/, its layers: the ladder itself, the tools that drive it, the self-tests. And no module
 imports a test module (`test_*.py`): pytest collects those; what another module needs from one moves
 into a library (the op checks: ladder/checks/).
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ladder.arrows import ARROWS, LEAVES, NARROW_ARROWS, allowed
+from ladder.selftest.arrows import ARROWS, LEAVES, NARROW_ARROWS, allowed
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -78,7 +78,7 @@ def test_imports_point_the_right_way(package):
         for line, imported in imports_of(path):
             if not allowed(importer, imported):
                 bad.append(f"{path.relative_to(REPO)}:{line} imports {imported}")
-    assert not bad, f"{package}/ may import only {sorted(ARROWS[package])} (ladder/arrows.py):\n" + "\n".join(bad)
+    assert not bad, f"{package}/ may import only {sorted(ARROWS[package])} (ladder/selftest/arrows.py):\n" + "\n".join(bad)
 
 
 def test_every_narrow_arrow_is_still_there():
@@ -97,14 +97,14 @@ def test_the_scan_sees_a_wrong_arrow(tmp_path):
     assert not allowed("engine.model", "fixtures.default_model")
     assert not allowed("engine.resolve", "fixtures.tiny_model")
     assert allowed("engine.resolve", "fixtures.default_model")
-    assert not allowed("ladder.runner", "bench.cli")
+    assert not allowed("ladder.run.runner", "bench.cli")
     assert not allowed("ladder.tools.quant_report", "bench.format_gemv")
     assert not allowed("fixtures.tiny_model", "bench.measure")
     # inside ladder/: the ladder itself never imports a tool or a self-test, a tool never a self-test
-    assert not allowed("ladder.runner", "ladder.tools.mutate") and not allowed("ladder.plugin", "ladder.selftest")
+    assert not allowed("ladder.run.runner", "ladder.tools.mutate") and not allowed("ladder.plugin", "ladder.selftest")
     assert not allowed("ladder.unit.test_ops", "ladder.tools.descend")
     assert not allowed("ladder.tools.bisect", "ladder.selftest.test_bisect")
-    assert allowed("ladder.tools.mutate", "ladder.nested") and allowed("ladder.tools.mutate", "ladder.tools.mutants")
+    assert allowed("ladder.tools.mutate", "ladder.run.nested") and allowed("ladder.tools.mutate", "ladder.tools.mutants")
     assert allowed("ladder.selftest.test_mutants", "ladder.tools.mutate") and allowed("bench.measure", "ladder.tools.gemv_timing")
 
 

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from engine.cli import main as cli_main
-from ladder.nested import child_env, skip_inside_nested_run
+from ladder.run.nested import child_env, skip_inside_nested_run
 
 REPO = Path(__file__).resolve().parents[2]
 

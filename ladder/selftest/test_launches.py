@@ -1,6 +1,6 @@
 """Self-test: the launch map names the kernel code each case runs, and the readings of it err wide.
 
-ladder/launches.py must give each case the NumPy functions (or CUDA entry points) it launched, counting
+ladder/changes/launches.py must give each case the NumPy functions (or CUDA entry points) it launched, counting
 a fixture's launches for every case that uses it and import-time code for every case; must turn a CUDA
 function into every entry point whose call graph reaches it (through a template argument, a struct's
 methods, a typedef); must turn a diff into the functions it touches, and a change outside the kernels
@@ -19,9 +19,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from ladder import launches
-from ladder.nested import child_env, skip_inside_nested_run
-from ladder.sources import cuda_functions_on_lines, functions_of_tokens, cuda_tokens, python_functions_on_lines
+from ladder.changes import launches
+from ladder.run.nested import child_env, skip_inside_nested_run
+from ladder.changes.sources import cuda_functions_on_lines, functions_of_tokens, cuda_tokens, python_functions_on_lines
 
 REPO = Path(__file__).resolve().parents[2]
 TREE = ("engine", "kernels", "ladder", "reference", "fixtures", "conftest.py", "pyproject.toml")

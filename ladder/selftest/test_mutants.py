@@ -18,7 +18,7 @@ import pytest
 
 from ladder.tools.mutants import Mutant, compiles, cuda_mutants, mutants_of, python_mutants
 from ladder.tools.mutate import DEFAULT_FILES, EQUIVALENT_FILE, ROOT, all_mutants, kernel_files, run, sample
-from ladder.nested import child_env, skip_inside_nested_run
+from ladder.run.nested import child_env, skip_inside_nested_run
 
 KERNEL_FILES = kernel_files(DEFAULT_FILES["numpy"] + DEFAULT_FILES["cuda"])
 

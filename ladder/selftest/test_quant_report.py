@@ -22,7 +22,7 @@ from engine.cli import main as cli_main
 from engine.config import SHAPES
 from engine.formats import FORMATS, Format
 from kernels import cuda_available
-from ladder.nested import child_env
+from ladder.run.nested import child_env
 from ladder.tools.quant_report import (COLUMNS, Subject, Tally, compare_logits, gemv_cell, measure_model,
                                  seeded_subject)
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from engine.formats import FORMATS
-from ladder.faults import parse
-from ladder.nested import REPO, child_env, skip_inside_nested_run
+from ladder.checks.faults import parse
+from ladder.run.nested import REPO, child_env, skip_inside_nested_run
 
 pytestmark = skip_inside_nested_run  # the child selects by keyword, and must not start this module again
 

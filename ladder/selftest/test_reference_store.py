@@ -1,4 +1,4 @@
-"""Self-test: the references' results are computed once per machine and kept (ladder/reference_store.py).
+"""Self-test: the references' results are computed once per machine and kept (ladder/judges/reference_store.py).
 
 Bounds: a second run reads what the first measured; a different key measures again; a lock left by a
 process that is gone (a killed run) is taken over at once instead of being waited on; and two processes
@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 
 from fixtures.prompts import default_prompts_path
-from ladder import reference_store
-from ladder.tokens import Reference, bounds_from_floor
+from ladder.judges import reference_store
+from ladder.judges.tokens import Reference, bounds_from_floor
 
 BOUNDS = bounds_from_floor(0.01, 4.0, 0.008, ("p1", "p2"), 32, floor_close=5, floor_flips=1, spread=3.0)
 
@@ -207,7 +207,7 @@ def test_rungs_whose_references_are_kept_import_neither_torch_nor_transformers(t
         "import sys\n"
         "def pytest_sessionfinish(session):\n"
         "    print('HEAVY', sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
-    repo = Path(reference_store.__file__).resolve().parents[1]
+    repo = Path(reference_store.__file__).resolve().parents[2]
     cmd = [sys.executable, "-m", "pytest", str(repo / "ladder" / "graph" / "test_graph.py"),
            str(repo / "ladder" / "layer" / "test_layer.py"), "-k", "greedy or (hf_decoder_layer and layer0-L29)",
            "--prompts", str(one), "-p", "ladder.plugin", "-p", "heavycheck", "-c", os.devnull, "--rootdir", str(repo),

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kernels import OPS
-from ladder import report as ladder_report
+from ladder.run import report as ladder_report
 
 
 def rung_result(rung: str, ops: list[tuple[str, float, bool]], calls: dict[str, int]) -> dict:
@@ -64,7 +64,7 @@ def test_the_slowest_tests_of_every_rung_are_ranked_in_the_report():
 def test_a_long_rung_prints_progress_with_the_rate_and_the_slowest_test(monkeypatch):
     from types import SimpleNamespace
 
-    from ladder import summary
+    from ladder.plugin import summary
 
     s = summary.RunSummary()
     s.total = 10
@@ -116,7 +116,7 @@ def test_a_baseline_written_before_formats_were_recorded_still_loads_and_matches
 
 
 def test_merging_shards_keeps_the_format_and_reads_failures_written_as_bare_node_ids():
-    from ladder.shards import merge_rung_data
+    from ladder.run.shards import merge_rung_data
 
     record = {"test": "t::new[numpy-int8_sym_channel]", "rung": "unit", "backend": "numpy", "format": "int8_sym_channel",
               "when": "call", "message": ["qkv_proj: too far"], "rerun": "python -m pytest 't::new'"}
@@ -134,7 +134,7 @@ def test_merging_shards_keeps_the_format_and_reads_failures_written_as_bare_node
 def test_a_failed_reports_message_is_kept_short_with_its_rerun_command():
     from types import SimpleNamespace
 
-    from ladder import summary
+    from ladder.plugin import summary
 
     crash = "\n".join([f"AssertionError: op[case] line {i}" for i in range(30)] + ["rerun: python -m pytest 'a.py::t[x]'",
                                                                                     "Falsifying example: t(x=1)"])

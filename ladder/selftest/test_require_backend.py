@@ -4,7 +4,7 @@
 whole suite, failing every CUDA test one by one, for over 25 minutes. Now pytest (with and without
 pytest-xdist workers), `nanoqwen ladder` and so `.ci/nightly-gpu` stop at once: exit status 2 and one
 line on stderr, `nanoqwen: error: ...`, naming the backend, what required it and why it cannot run
-(ladder/required.py). Nothing is collected, no worker starts, no rung runs, no JUnit or ladder JSON is
+(ladder/plugin/required.py). Nothing is collected, no worker starts, no rung runs, no JUnit or ladder JSON is
 written. Each case runs the command in a subprocess; on a machine where the cuda backend runs, they skip.
 
 A GPU the kernels cannot run on counts as no GPU: the kernels are compiled for sm_90 only, so a machine
@@ -24,8 +24,8 @@ import pytest
 
 import kernels
 from kernels import backend_available
-from ladder.nested import REPO, child_env, skip_inside_nested_run
-from ladder.required import ENV
+from ladder.run.nested import REPO, child_env, skip_inside_nested_run
+from ladder.plugin.required import ENV
 
 CUDA_OK, CUDA_WHY = backend_available("cuda")
 
@@ -37,7 +37,7 @@ TARGET = str(REPO / "ladder" / "unit" / "test_kv_cache.py")  # what the child wo
 
 
 def run(cmd: list[str], cwd, require_gpu: bool = False) -> subprocess.CompletedProcess:
-    """`cmd` in folder `cwd`, in the environment of a child run (ladder/nested.py), with or without
+    """`cmd` in folder `cwd`, in the environment of a child run (ladder/run/nested.py), with or without
     NANOQWEN_REQUIRE_GPU=1 (the parent's own setting never leaks in)."""
     env = child_env(backend=None, **({ENV: "1"} if require_gpu else {}))
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env, timeout=300)

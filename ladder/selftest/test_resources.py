@@ -1,11 +1,11 @@
-"""Self-tests of ladder/resources.py: what a ladder run took of the machine, in its report."""
+"""Self-tests of ladder/run/resources.py: what a ladder run took of the machine, in its report."""
 
 from __future__ import annotations
 
 import time
 
-from ladder import resources
-from ladder.resources import Resources, describe
+from ladder.run import resources
+from ladder.run.resources import Resources, describe
 
 
 def test_peaks_are_kept_overall_and_per_phase(tmp_path, monkeypatch):

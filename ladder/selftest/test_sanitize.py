@@ -13,7 +13,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from ladder.nested import REPO, child_env
+from ladder.run.nested import REPO, child_env
 
 FAKE = """#!/bin/sh
 echo "$@" >> "{log}"

@@ -1,4 +1,4 @@
-"""Self-test: `nanoqwen ladder --shard I/N` and `nanoqwen ladder merge` (ladder/shards.py).
+"""Self-test: `nanoqwen ladder --shard I/N` and `nanoqwen ladder merge` (ladder/run/shards.py).
 
 The end-to-end test runs the NumPy ladder (a small selection of every rung, so CI pays about two
 minutes) once whole and once as three shards, merges the shards, and requires the merged report to say
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from ladder.nested import child_env, skip_inside_nested_run
-from ladder.shards import ShardError, merge_rung_data, parse_shard, shard_of
+from ladder.run.nested import child_env, skip_inside_nested_run
+from ladder.run.shards import ShardError, merge_rung_data, parse_shard, shard_of
 
 REPO = Path(__file__).resolve().parents[2]
 EXE = shutil.which("nanoqwen")

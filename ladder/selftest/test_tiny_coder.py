@@ -22,7 +22,7 @@ from engine.config import PAGE_SIZE
 from engine.formats import FORMATS
 from engine.weights import check_linears
 from fixtures import tiny_coder
-from ladder.tolerances import NEAR_TIE_EPS
+from ladder.judges.tolerances import NEAR_TIE_EPS
 
 MAX_FOLDER_BYTES = 16_000_000  # issue 6: the shipped folder is at most 16 MB
 MAX_PARAMETERS = 8_000_000  # issue 6: at most 8 M parameters

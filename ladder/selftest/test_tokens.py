@@ -1,9 +1,9 @@
-"""Self-test of the graph rung's judge: ladder/tokens.py on synthetic logits, and the prompt files.
+"""Self-test of the graph rung's judge: ladder/judges/tokens.py on synthetic logits, and the prompt files.
 
 A comparison that cannot fail is worse than none: a real mismatch must fail and say where, a near-tie
 must be recorded and teacher-forced, NaN must fail, an engine that flips near-ties more often than the
 plain forward must fail, and a model no check can judge must be refused. The
-judge's bounds here are those a floor of FLOOR implies (ladder/tokens.py `bounds_from_floor`); how a
+judge's bounds here are those a floor of FLOOR implies (ladder/judges/tokens.py `bounds_from_floor`); how a
 real model's floor is measured is ladder/selftest/test_graph_bounds.py.
 """
 
@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from fixtures.prompts import PromptFileError, default_prompts_path, load_prompts, read_prompt_ids
-from ladder.tokens import (PAGE, Reference, Summary, bounds_from_floor, compare_greedy, engine_logits,
+from ladder.judges.tokens import (PAGE, Reference, Summary, bounds_from_floor, compare_greedy, engine_logits,
                            fisher_greater, judge_flips, new_tokens_for, summarize, tokens_to_generate, top2_margin)
-from ladder.tolerances import FLIP_TEST_ALPHA, MAX_ALLOWED_PER_SPREAD
+from ladder.judges.tolerances import FLIP_TEST_ALPHA, MAX_ALLOWED_PER_SPREAD
 
 V, N, PROMPT_LEN = 32, 12, 5
 FLOOR = 0.01  # a model whose plain fp32 forward with fp16 storage is this far from the simulation

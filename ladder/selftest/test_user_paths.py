@@ -22,14 +22,14 @@ from pathlib import Path
 import pytest
 
 from engine.cli import COMMANDS
-from ladder.nested import child_env, skip_inside_nested_run
+from ladder.run.nested import child_env, skip_inside_nested_run
 
 REPO = Path(__file__).resolve().parents[2]
 EXE = shutil.which("nanoqwen")
 pytestmark = [
     pytest.mark.skipif(EXE is None, reason="nanoqwen is not installed here (pip install -e '.[test]'); the "
                                            "checkout runs python -m ladder"),
-    skip_inside_nested_run,  # a run started from inside a ladder run never starts more (ladder/nested.py)
+    skip_inside_nested_run,  # a run started from inside a ladder run never starts more (ladder/run/nested.py)
 ]
 
 

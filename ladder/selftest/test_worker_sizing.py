@@ -1,12 +1,12 @@
-"""Self-tests of ladder/workers.py: the layer and graph rungs' workers are sized to the model."""
+"""Self-tests of ladder/run/workers.py: the layer and graph rungs' workers are sized to the model."""
 
 from __future__ import annotations
 
 import pytest
 
 from engine.config import SHAPES
-from ladder import workers
-from ladder.workers import GB, ModelSize, fitting, worker_need
+from ladder.run import workers
+from ladder.run.workers import GB, ModelSize, fitting, worker_need
 
 
 def size_of(shape: str, bytes_per_weight: float = 0.53) -> ModelSize:

@@ -52,14 +52,14 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ladder import git
+from ladder.changes import git
 
 DEFAULT_SELECTION = ("-m", "unit")
 GOOD, BAD, SKIP = 0, 1, 125  # git bisect run's exit codes
 VERDICT_NAMES = {GOOD: "good", BAD: "bad", SKIP: "skip"}
 PYTEST_EXIT_NAMES = {0: "passed", 1: "tests failed", 2: "interrupted or collection error", 3: "internal error",
                      4: "usage error", 5: "no tests collected"}
-LADDER_EXIT_NAMES = {0: "green", 1: "red or regressed", 2: "bad input", 3: "the harness broke"}  # ladder/runner.py
+LADDER_EXIT_NAMES = {0: "green", 1: "red or regressed", 2: "bad input", 3: "the harness broke"}  # ladder/run/runner.py
 EXIT_NAMES = {"pytest": PYTEST_EXIT_NAMES, "ladder": LADDER_EXIT_NAMES}
 _MARK = "nanoqwen-bisect-step "  # prefix of the line the step script prints for each revision
 
@@ -294,7 +294,7 @@ def _parse_step(line: str) -> Step | None:
 
 def baseline_report(baseline) -> tuple[str, dict]:
     """The --baseline folder, absolute (each revision's ladder runs from the worktree), and its report."""
-    from ladder.report import load  # the ladder's own reading of a report folder, as `ladder --baseline` uses
+    from ladder.run.report import load  # the ladder's own reading of a report folder, as `ladder --baseline` uses
 
     folder = Path(baseline).expanduser().resolve()
     try:

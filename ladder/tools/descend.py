@@ -63,7 +63,7 @@ def descend(model_path, ids, backend_name: str = "numpy", decode_steps: int | No
     steps = min(PAGE + 1, T - 1) if decode_steps is None else min(decode_steps, T - 1)
     backend = get_backend(backend_name)
     if plant_fault:
-        from ladder.faults import plant
+        from ladder.checks.faults import plant
 
         plant(backend, plant_fault)
     recorder = Recorder(backend)
@@ -247,7 +247,7 @@ def register(subparsers) -> None:
                         f"{DEFAULT_FORMAT}); a .nanoqwen file runs in its own, and another FORMAT is refused")
     d.add_argument("--decode-steps", type=non_negative_int,
                    help="how many of the last prompt tokens run as decode steps (default 17: across a page edge)")
-    d.add_argument("--plant-fault", help="plant a fault from ladder/faults.py first (to see the descent find it)")
+    d.add_argument("--plant-fault", help="plant a fault from ladder/checks/faults.py first (to see the descent find it)")
     d.add_argument("--report", default="reports/descend", metavar="DIR", help="folder for descend.json and descend-BACKEND.png")
     renamed(d, "--out", new="--report")
     d.set_defaults(func=cmd_descend)

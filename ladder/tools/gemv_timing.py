@@ -2,7 +2,7 @@
 on the cuda backend: the measurement that `nanoqwen quant-report` (its GEMV column, ladder/tools/quant_report.py)
 and `python -m bench.format_gemv` (its table and its --all-variants sweep) both run, with the GPU timing
 helpers it needs, which `nanoqwen bench` (bench/measure.py) uses too. It lives in ladder/ because the
-ladder's quant-report needs it and bench/ is a leaf nothing imports (ladder/arrows.py).
+ladder's quant-report needs it and bench/ is a leaf nothing imports (ladder/selftest/arrows.py).
 
 Helpers: `hash_kernel`/`name_seed`/`fill_u32` (reproducible random bits on the device, from a hash of a
 tensor's name and the seed), `quantized_block` (a seeded random block of BLOCK_ROWS rows in any format,
@@ -199,7 +199,7 @@ def _time_op(be, name: str, op: str, out_features: int, in_features: int, varian
 
     from engine.formats import get_format
     from kernels import QuantizedWeight
-    from ladder.compare import measure
+    from ladder.judges.compare import measure
 
     fmt = get_format(name)
     host, block = tiled_tensors(fmt, out_features, in_features, seed)

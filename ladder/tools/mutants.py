@@ -31,7 +31,7 @@ import tokenize
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ladder.sources import cuda_tokens, functions_of_tokens, token_index
+from ladder.changes.sources import cuda_tokens, functions_of_tokens, token_index
 
 
 @dataclass(frozen=True)

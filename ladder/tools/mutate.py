@@ -5,7 +5,7 @@
                     [--baseline DIR] [--rerun DIR] [--list] [-- PYTEST ARGS]
 
 First each rung runs once on the unmutated tree (it must be green) and records the launch map
-(ladder/launches.py): which kernel code each case launches. Then each mutant (ladder/tools/mutants.py: one
+(ladder/changes/launches.py): which kernel code each case launches. Then each mutant (ladder/tools/mutants.py: one
 small edit to one kernel source) is written into a worker's private copy of the checkout, and the rungs
 run against it on the chosen backend, cheapest first, each with `-x` and only the cases that launch the
 mutated function: the first rung that goes red kills the mutant, and the rest are not run. A mutant
@@ -27,7 +27,7 @@ Outcomes:
   it cannot change any output); not run, not scored, shown in the report.
 
 The score is (killed + timed_out) / (killed + timed_out + survived). The copies' tests run with the
-nested-run mark (ladder/nested.py), so tests that start ladders of their own skip instead of recursing. The report
+nested-run mark (ladder/run/nested.py), so tests that start ladders of their own skip instead of recursing. The report
 folder gets `mutate.json` and `mutate.md`: per file and per kernel function, the counts and the score;
 every survivor with file:line and its edit; with `--baseline DIR`, the score change per file and the
 mutants killed there that survive here, and the command exits 1 when the run is weaker than its
@@ -51,7 +51,7 @@ import time
 from pathlib import Path
 
 from engine.errors import NanoqwenError
-from ladder.launches import patterns_for, select
+from ladder.changes.launches import patterns_for, select
 from ladder.tools.mutate_report import _pct, compare, markdown, regressions, summarize
 from ladder.tools.mutants import Mutant, compiles, mutants_of
 
@@ -109,13 +109,13 @@ class MutateError(NanoqwenError):
 
 
 def _rung_args(rung: str, root: Path, backend: str, extra: list[str]) -> list[str]:
-    # As `nanoqwen ladder` runs a rung (ladder/runner.py): no configuration file, the plugin named.
+    # As `nanoqwen ladder` runs a rung (ladder/run/runner.py): no configuration file, the plugin named.
     return ["-m", rung, "-q", "-c", os.devnull, "--rootdir", str(root), "--confcutdir", str(root), "-p", "ladder.plugin",
             "--strict-markers", "-p", "no:cacheprovider", "--backend", backend, *extra]
 
 
 def clean_run(backend: str, rungs, jobs: int, extra: list[str], env: dict, folder: Path, log=print) -> tuple[dict, dict]:
-    """Each rung once on the unmutated tree, recording the launch map (ladder/launches.py). Returns (maps,
+    """Each rung once on the unmutated tree, recording the launch map (ladder/changes/launches.py). Returns (maps,
     seconds): rung -> node id -> the kernel units the case launches, and -> the seconds it took. A rung that
     is red here makes every verdict meaningless: MutateError."""
     maps, seconds = {}, {}
@@ -321,7 +321,7 @@ def run(mutants: list[Mutant], backend: str, rungs, jobs: int, timeout: float, e
     if not mutants:
         return results
     from kernels import backend_needs_device
-    from ladder.nested import child_env
+    from ladder.run.nested import child_env
 
     with tempfile.TemporaryDirectory(prefix="nanoqwen-mutate-") as tmp:
         # One CuPy kernel cache for the clean run and every worker: the clean run compiles each module once,

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from ladder.sources import cuda_module
+from ladder.changes.sources import cuda_module
 
 ROOT = Path(__file__).resolve().parents[2]
 CUDA_DIR = ROOT / "kernels" / "cuda"

@@ -32,7 +32,7 @@ import engine
 from engine.formats import get_format
 from fixtures.cases import PAGE_BOUNDARY_LENGTHS, PagedCase, quantizable_weight, rng_for
 from ladder.plugin import selected_formats
-from ladder.sources import cuda_module
+from ladder.changes.sources import cuda_module
 from ladder.checks.ops import (check_attention, check_gate_up_silu, check_linear_residual, check_qkv_proj,
                                quantized_and_read)
 

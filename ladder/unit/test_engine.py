@@ -14,7 +14,7 @@ import engine
 from engine.errors import PromptTooLongError, TokenIdError
 from engine.kv_cache import PagedKVCache
 from fixtures.tiny_model import random_model_file
-from ladder.compare import assert_close
+from ladder.judges.compare import assert_close
 from fixtures.dequantized import dequantized_weights
 from reference.model import ref_forward
 

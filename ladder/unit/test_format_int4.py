@@ -17,7 +17,7 @@ from engine.formats.int4_sym_g128 import pack, unpack
 from engine.errors import UnknownFormatError
 from fixtures.strategies import quantizable_weight, rng_for, seeds
 from kernels.numpy.int4_sym_g128 import dequantize as numpy_dequantize, unpack_int4_pairs
-from ladder.compare import assert_close, assert_equal
+from ladder.judges.compare import assert_close, assert_equal
 from reference.formats import ref_dequant_int4_sym_g128, ref_unpack_int4
 
 INT4 = get_format("int4_sym_g128")

@@ -28,8 +28,8 @@ from engine.formats.int4_asym_g128 import pack_scale_zero, unpack_scale_zero
 from engine.formats.int4_sym_g128 import unpack
 from fixtures.strategies import quantizable_weight, rng_for, seeds
 from ladder.checks.harness import by_row_blocks
-from ladder.compare import assert_close, assert_equal
-from ladder.nested import REPO, child_env, skip_inside_nested_run
+from ladder.judges.compare import assert_close, assert_equal
+from ladder.run.nested import REPO, child_env, skip_inside_nested_run
 from reference.formats import REF_DEQUANT, ref_e4m3
 
 NAMES = sorted(FORMATS)

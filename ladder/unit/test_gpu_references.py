@@ -47,7 +47,7 @@ def test_the_gpu_references_agree_with_the_host_references_within_the_floor(name
     torch = _gpu()
     from fixtures.dequantized import dequantized_weights
     from fixtures.prompts import prompts_for_model
-    from ladder.tokens import floor_logits, reference_greedy, spread_by_length, tokens_to_generate
+    from ladder.judges.tokens import floor_logits, reference_greedy, spread_by_length, tokens_to_generate
     from reference.hf import hf_logits, hf_model, model_device
 
     assert model_device() == "cuda"

@@ -23,7 +23,7 @@ from fixtures.strategies import fp16, linear_shapes, quantizable_weight, rng_for
 from kernels import QuantizedWeight
 from engine.formats import FORMATS
 from kernels.numpy import NumpyBackend, blas, linear
-from ladder.compare import assert_close, assert_equal
+from ladder.judges.compare import assert_close, assert_equal
 from reference import ops as ref_ops
 from reference.formats import REF_DEQUANT, ref_dequant_int4_sym_g128, ref_unpack_int4
 

@@ -1,6 +1,6 @@
 """Unit rung: proof, in this process, that the rung's own checks catch every planted fault.
 
-For each fault of ladder/faults.py, a fresh Backend object of the backend under test gets the fault
+For each fault of ladder/checks/faults.py, a fresh Backend object of the backend under test gets the fault
 planted (its ops wrapped, exactly as `--plant-fault` does), and the checks the fault's catalogue entry
 names (`checks`: functions of ladder/checks/ops.py) run against it on their explicit examples, the ones
 the unit rung runs first on every run. At least one check must fail and its failure must name the op; a
@@ -20,9 +20,10 @@ import pytest
 
 from engine.formats import DEFAULT_FORMAT, get_format
 from kernels import get_backend
-from ladder import compare, plugin
+from ladder.judges import compare
+from ladder import plugin
 from ladder.checks import ops
-from ladder.faults import FAULTS, plant
+from ladder.checks.faults import FAULTS, plant
 
 WEIGHT_FAULTS = sorted(name for name, f in FAULTS.items() if f.per_format)
 OTHER_FAULTS = sorted(name for name, f in FAULTS.items() if not f.per_format)
@@ -78,7 +79,7 @@ def test_a_planted_fault_fails_the_rungs_checks(backend, fault_name):
 def test_a_fault_the_checks_miss_is_reported(backend, monkeypatch):
     """The proof can fail: a 'fault' that changes nothing leaves its checks green, and that is an error;
     so is a check with no examples to run."""
-    from ladder.faults import Fault
+    from ladder.checks.faults import Fault
 
     harmless = Fault("harmless", ("embed",), "changes nothing", lambda backend, active: None,
                      (ops.check_embed,), ("embed",))

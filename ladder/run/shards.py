@@ -6,7 +6,7 @@
 A test belongs to shard `crc32(nodeid) % N + 1`: a stable hash of the pytest node id (the path under
 the project root, the test name and its parameters), so the split is the same on every machine and
 every night, needs no coordination, and spreads every rung, format and backend over the shards (the
-graph rung's prompts too). The plugin (ladder/plugin.py) deselects the other shards' tests after
+graph rung's prompts too). The plugin (ladder/plugin/__init__.py) deselects the other shards' tests after
 collection; the rung's JSON records the shard.
 
 `merge` folds the shards' rung files (RUNG.json, junit-RUNG.xml) into one report folder, as if one
@@ -31,7 +31,7 @@ from collections import Counter
 from pathlib import Path
 
 from engine.errors import NanoqwenError
-from ladder import report as ladder_report
+from ladder.run import report as ladder_report
 
 
 class ShardError(NanoqwenError):
@@ -76,7 +76,7 @@ def _unique(records: list) -> list:
 
 
 def merge_rung_data(parts: list[dict]) -> dict:
-    """One rung JSON (ladder/plugin.py `--ladder-json`) from the same rung's JSON of several shards."""
+    """One rung JSON (ladder/plugin/__init__.py `--ladder-json`) from the same rung's JSON of several shards."""
     rungs: dict[str, Counter] = {}
     skips: dict[str, Counter] = {}
     worst: dict[tuple, dict] = {}
@@ -140,7 +140,7 @@ def merge_rung_data(parts: list[dict]) -> dict:
 
 
 def _failure_order(f) -> tuple:
-    """Failures in node-id order, whether records (ladder/summary.py) or the bare node ids of older shards."""
+    """Failures in node-id order, whether records (ladder/plugin/summary.py) or the bare node ids of older shards."""
     v = ladder_report.failure_view(f)
     return str(v["test"]), str(v.get("when"))
 

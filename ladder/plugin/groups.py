@@ -20,7 +20,7 @@ ladder/selftest/test_groups.py proves it with the worker that ran each case.
 
 The same folder carries each worker's vital signs (its pid, memory and running case, every second), and
 the hooks here that say why a worker died, in one line, and that stop a run at its second dead worker
-(ladder/liveness.py; ladder/selftest/test_dead_worker.py).
+(ladder/plugin/liveness.py; ladder/selftest/test_dead_worker.py).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from ladder import liveness
+from ladder.plugin import liveness
 
 KEY = "nanoqwen_groups"  # the workerinput entry that names the groups folder (and the workers' vital signs)
 # Replacement workers: pytest-xdist starts one for each that dies, up to four per worker. One is allowed, so
@@ -166,7 +166,7 @@ def pytest_xdist_make_scheduler(config, log):
     return GroupScheduling(config, log)
 
 
-# ---- a worker's signs of life and its death (ladder/liveness.py) ------------------------------------
+# ---- a worker's signs of life and its death (ladder/plugin/liveness.py) ------------------------------------
 
 
 def pytest_sessionstart(session):

@@ -18,7 +18,7 @@ Two commands read it. `nanoqwen mutate` runs, for each mutant, only the cases th
 function; `nanoqwen ladder --changed REV` runs only the cases that launch a function changed since REV
 (`git diff`). `patterns_for(file, function)` turns a function into the units that run it: a numpy
 function is its own unit; a CUDA function is every entry point that reaches it (the call graph of
-ladder/sources.py over each module's source as NVRTC gets it, headers inlined); a change outside any
+ladder/changes/sources.py over each module's source as NVRTC gets it, headers inlined); a change outside any
 function (module-level code, a macro, a launcher in Python) widens to the whole backend. The reading
 errs wide, never narrow: a case it adds costs time, a case it dropped would let a bug through.
 
@@ -39,7 +39,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]  # the folder that holds the project's packages
+ROOT = Path(__file__).resolve().parents[2]  # the folder that holds the project's packages
 NUMPY_DIR = "kernels/numpy"
 CUDA_DIR = "kernels/cuda"
 EVERYTHING = "*"  # the pattern every unit matches
@@ -129,7 +129,7 @@ def _start_numpy() -> None:
 
 
 class CaseLaunches:
-    """The pytest plugin that hands each case its units (registered by ladder/plugin.py when recording)."""
+    """The pytest plugin that hands each case its units (registered by ladder/plugin/__init__.py when recording)."""
 
     def __init__(self):
         self.by_fixture: dict[str, set[str]] = defaultdict(set)
@@ -246,7 +246,7 @@ def _stamp(folder: Path) -> tuple:
 def _cuda_modules(folder: str, stamp: tuple) -> dict:
     """module -> (its source as NVRTC gets it, its entry points, its call graph, the names its macros use);
     read once per state of the folder (`stamp`)."""
-    from ladder.sources import cuda_calls, cuda_macro_names, cuda_module
+    from ladder.changes.sources import cuda_calls, cuda_macro_names, cuda_module
 
     loader = cuda_module("loader", Path(folder))
     out = {}
@@ -284,11 +284,11 @@ def changed_patterns(rev: str, root: Path = ROOT) -> tuple[list[str] | None, lis
         lines = _changed_lines(root, rev, rel)
         text = path.read_text()
         if rel.endswith(".py") and rel.startswith(NUMPY_DIR + "/"):
-            from ladder.sources import python_functions_on_lines
+            from ladder.changes.sources import python_functions_on_lines
 
             functions = python_functions_on_lines(text, lines) if lines is not None else {"<module>"}
         elif rel.endswith((".cu", ".cuh")):
-            from ladder.sources import cuda_functions_on_lines
+            from ladder.changes.sources import cuda_functions_on_lines
 
             functions = cuda_functions_on_lines(text, lines) if lines is not None else {"<file>"}
         else:
@@ -315,7 +315,7 @@ def _changed_lines(root: Path, rev: str, rel: str) -> set[int] | None:
 
 
 def _git(root: Path, *args, check=True) -> str:
-    from ladder import git
+    from ladder.changes import git
 
     return git.run(root, *args, check=check, error=ChangeError).stdout
 

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from kernels import OPS
-from ladder.tolerances import MAX_ALLOWED_PER_SPREAD
+from ladder.judges.tolerances import MAX_ALLOWED_PER_SPREAD
 
 BASELINE_GROWTH = 1.5  # an op's worst multiple of its noise floor may grow this much before it is flagged
 SLOWEST = 15  # the slowest tests over all rungs, in report.json and report.md
@@ -71,7 +71,7 @@ def environment(root: Path) -> dict:
 def _commit(root: Path) -> tuple[str | None, bool | None]:
     """(HEAD, tree dirty) of `root` when it is the top of a git checkout; (None, None) otherwise (an
     installed package, which may sit inside some other repository)."""
-    from ladder import git
+    from ladder.changes import git
 
     try:
         top = git.run(root, "rev-parse", "--show-toplevel", check=False)
@@ -119,7 +119,7 @@ def _driver_release() -> str | None:
 
 
 def failure_view(f) -> dict:
-    """A failure as report.md shows it: a record of ladder/summary.py, or the bare node id (or sentence)
+    """A failure as report.md shows it: a record of ladder/plugin/summary.py, or the bare node id (or sentence)
     that rung files written before the records held."""
     if isinstance(f, dict):
         return {"test": None, "rung": None, "backend": None, "format": None, "message": [], "rerun": None, **f}
@@ -234,7 +234,7 @@ def graph_section(rung_results: dict[str, dict]) -> dict:
     """The graph rung's token summary from the rung files (the plugin's `graph*` and `near_ties` keys):
     per backend totals, the bounds (each distinct one once), the near-tie flip rule judged on the totals
     (so a merge of shards judges all the shards' prompts together) and the near-ties."""
-    from ladder.tokens import Summary, judge_flips
+    from ladder.judges.tokens import Summary, judge_flips
 
     out = {"backends": [], "bounds": [], "flips": [], "near_ties": []}
     for data in rung_results.values():
@@ -307,7 +307,7 @@ def _header(report: dict) -> list[str]:
              f"- GPU: {env['gpu']} (driver: {env.get('driver') or '-'})" if env.get("gpu") else "- GPU: none",
              f"- started: {m.get('started')}"]
     if m.get("resources"):
-        from ladder.resources import describe
+        from ladder.run.resources import describe
 
         lines.append(f"- machine: {describe(m['resources'])}")
     if m.get("model_seconds") is not None:

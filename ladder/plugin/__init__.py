@@ -10,7 +10,7 @@ Loaded by the repository's root conftest.py, or with `-p ladder.plugin` from an 
   `backend` fixture and runs once per backend. A backend that cannot run here is a skip with its reason,
   unless `--require-backend NAME` (or NANOQWEN_REQUIRE_GPU=1, for every backend that needs an
   accelerator: cuda) turns that skip into a failure; a required backend that cannot run on this machine
-  at all refuses the run before collection (one line, exit status 2: ladder/required.py). Tests on such
+  at all refuses the run before collection (one line, exit status 2: ladder/plugin/required.py). Tests on such
   a backend also carry the `gpu` marker.
   Backends come from the registry of kernels/ (`backend_names`, `backend_available`,
   `backend_needs_device`); nothing here tests a backend's name.
@@ -18,14 +18,14 @@ Loaded by the repository's root conftest.py, or with `-p ladder.plugin` from an 
   formats the model-bound tests (`model_path`) run in: the default model or a Hugging Face folder
   converted to each, a `.nanoqwen` file in its own. A backend without a format's kernels fails those
   tests, counted as UNSUPPORTED in the summary and the JSON.
-- `--plant-fault NAME[@LAYER][:FORMAT]` wraps one op of every Backend object with a fault from ladder/faults.py.
+- `--plant-fault NAME[@LAYER][:FORMAT]` wraps one op of every Backend object with a fault from ladder/checks/faults.py.
 - `--update-golden` regenerates the golden activations (once per format, before the tests, on the controller).
 - Hypothesis profiles `ci` (the default: quick, derandomized) and `nightly` (thorough), chosen with
   Hypothesis' own `--hypothesis-profile`.
 - At the end, a table per rung (run, passed, failed, skipped with reasons) and each op's worst error
   as a multiple of its noise floor; `--ladder-json FILE` writes the same data, with the op calls each
   rung made (the coverage listing), for `nanoqwen ladder`. That summary, its progress lines and the
-  graph rung's near-tie flip rule live in ladder/summary.py, whose hooks this module re-exports.
+  graph rung's near-tie flip rule live in ladder/plugin/summary.py, whose hooks this module re-exports.
 
 This module holds the options, the selection of backends and formats, the markers, the fixtures and
 the hooks around each test (op calls, error records, unsupported formats).
@@ -42,9 +42,9 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 from kernels import backend_available, backend_class, backend_names, backend_needs_device, get_backend
-from ladder import groups, required
+from ladder.plugin import groups, required
 # The summary's hooks are this plugin's: pytest registers the hooks a plugin module holds, these included.
-from ladder.summary import (ROWS, attach, is_worker, pytest_collection_finish,  # noqa: F401
+from ladder.plugin.summary import (ROWS, attach, is_worker, pytest_collection_finish,  # noqa: F401
                             pytest_runtest_logreport, pytest_sessionfinish, pytest_terminal_summary,
                             pytest_xdist_node_collection_finished)
 
@@ -54,7 +54,7 @@ settings.register_profile("nightly", max_examples=300, deadline=None, print_blob
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-_LADDER_DIR = Path(__file__).resolve().parent
+_LADDER_DIR = Path(__file__).resolve().parents[1]  # ladder/: the rungs' folders
 # The markers live here, not in a configuration file, so that the installed package (no pyproject.toml
 # beside it) and `nanoqwen ladder` started from any folder know them under --strict-markers.
 MARKERS = {
@@ -83,7 +83,7 @@ def pytest_addoption(parser):
                 help="graph-rung prompts, JSON lines with 'id' and 'ids' (token ids) or 'text'; "
                      "default: the fixture prompt file of the default model")
     g.addoption("--plant-fault", default=None, metavar="NAME[@LAYER][:FORMAT]",
-                help="wrap one backend op with a planted fault from ladder/faults.py (the ladder must go red)")
+                help="wrap one backend op with a planted fault from ladder/checks/faults.py (the ladder must go red)")
     g.addoption("--update-golden", action="store_true",
                 help="regenerate the golden activations of the model under test before running")
     g.addoption("--ladder-json", default=None, metavar="FILE",
@@ -93,9 +93,9 @@ def pytest_addoption(parser):
     g.addoption("--skip-determinism", action="store_true",
                 help="graph rung: skip the three-run determinism test (slow machines)")
     g.addoption("--shard", default=None, metavar="I/N",
-                help="run shard I of N of the collected tests (a stable hash of each node id: ladder/shards.py)")
+                help="run shard I of N of the collected tests (a stable hash of each node id: ladder/run/shards.py)")
     g.addoption("--record-launches", action="store_true",
-                help="record the kernel code each case launches (the launch map, ladder/launches.py)")
+                help="record the kernel code each case launches (the launch map, ladder/changes/launches.py)")
     g.addoption("--launching", default=None, metavar="FILE",
                 help="run only the cases that launch the kernel code FILE names (a case the map does not know "
                      "runs too); written by nanoqwen ladder --changed and nanoqwen mutate")
@@ -126,14 +126,14 @@ def selected_backends(config) -> list[str]:
 
 
 def required_backends(config) -> set[str]:
-    """The backends this run requires: --require-backend, and NANOQWEN_REQUIRE_GPU=1 (ladder/required.py)."""
+    """The backends this run requires: --require-backend, and NANOQWEN_REQUIRE_GPU=1 (ladder/plugin/required.py)."""
     return set(required.required_backends(config.getoption("--require-backend") or []))
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config):
     """A required backend that cannot run on this machine refuses the run here, in the controller, before
-    pytest_configure: nothing is collected and no pytest-xdist worker starts (ladder/required.py). One
+    pytest_configure: nothing is collected and no pytest-xdist worker starts (ladder/plugin/required.py). One
     line on stderr, `nanoqwen: error: ...`, and exit status 2 (pytest's own would be 4, a usage error,
     or 2 with an `Exit:` banner and a `!!!` line)."""
     if is_worker(config) or config.option.help or config.option.version:
@@ -192,7 +192,7 @@ def pytest_configure(config):
             raise pytest.UsageError(f"--require-backend {b} but --backend selects {selected_backends(config)}")
     spec = config.getoption("--plant-fault")
     if spec:
-        from ladder.faults import parse
+        from ladder.checks.faults import parse
 
         try:
             parse(spec)
@@ -202,7 +202,7 @@ def pytest_configure(config):
     attach(config)
     config.pluginmanager.register(groups, "nanoqwen-groups")  # the scheduler of --dist loadgroup
     if config.getoption("--record-launches"):
-        from ladder.launches import CaseLaunches, recording_is_free, start
+        from ladder.changes.launches import CaseLaunches, recording_is_free, start
 
         # NumPy functions are watched only where a backend runs them on the host (before Python 3.12
         # watching costs every Python call, which a CUDA-only run need not pay)
@@ -281,7 +281,7 @@ def _rung_of(item) -> str | None:
 def pytest_collection_modifyitems(config, items):
     spec = config.getoption("--shard")
     if spec:  # every worker (and a run without workers) keeps the same shard: a hash of the node id
-        from ladder.shards import ShardError, parse_shard, select
+        from ladder.run.shards import ShardError, parse_shard, select
 
         try:
             index, count = parse_shard(spec)
@@ -292,7 +292,7 @@ def pytest_collection_modifyitems(config, items):
             config.hook.pytest_deselected(items=dropped)
         items[:] = kept
     if config.getoption("--launching"):
-        from ladder.launches import read_selection, split
+        from ladder.changes.launches import read_selection, split
 
         kept, dropped = split(items, *read_selection(config.getoption("--launching")))
         if dropped:
@@ -308,7 +308,7 @@ def pytest_collection_modifyitems(config, items):
         if name is not None and backend_needs_device(name):
             item.add_marker(pytest.mark.gpu)
     # With `--dist loadgroup` (nanoqwen ladder passes it) a format's model-bound cases stay on one worker,
-    # which builds its model and reference once; the unit rung's cases spread over every worker (ladder/groups.py).
+    # which builds its model and reference once; the unit rung's cases spread over every worker (ladder/plugin/groups.py).
     groups.write_groups(config, items, formats)
 
 
@@ -337,10 +337,10 @@ def backend(request, backend_name):
             _bind_torch(options["device"])
         spec = request.config.getoption("--plant-fault")
         if spec:
-            from ladder.faults import plant
+            from ladder.checks.faults import plant
 
             plant(be, spec)
-        from ladder.instrument import record_calls
+        from ladder.plugin.instrument import record_calls
 
         record_calls(be, _CALLS)
         _BACKENDS[backend_name] = be
@@ -395,7 +395,7 @@ def pytest_runtest_makereport(item, call):
     Every report of a case carries its backend and format (`nanoqwen_case`, added before the setup
     report is made): the summary names them beside a failure, and counts what ran, from the item's own
     parameters rather than from its node id's text."""
-    from ladder.summary import case_params
+    from ladder.plugin.summary import case_params
 
     if call.when == "setup":
         item.user_properties.append(("nanoqwen_case", case_params(item)))
@@ -414,8 +414,8 @@ def pytest_runtest_makereport(item, call):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
-    from ladder import compare
-    from ladder.summary import case_params
+    from ladder.judges import compare
+    from ladder.plugin.summary import case_params
 
     start = len(compare.RECORDS)
     _CALLS.clear()

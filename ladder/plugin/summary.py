@@ -1,4 +1,4 @@
-"""The run summary of the ladder's pytest plugin (ladder/plugin.py, which re-exports the hooks below).
+"""The run summary of the ladder's pytest plugin (ladder/plugin/__init__.py, which re-exports the hooks below).
 
 - `RunSummary`: what a pytest process saw, fed by every test report (`pytest_runtest_logreport`): tests
   run, passed, failed and skipped (with the reasons) per rung and per backend and format, each op's worst
@@ -12,13 +12,13 @@
   slowest phase so far.
 - signs of life: as tests finish, the controller writes a beat (`37 tests finished`, at most once a second)
   into the rung's progress folder, so that `nanoqwen ladder` can tell a slow rung from a stalled one
-  (ladder/liveness.py, ladder/runner.py).
+  (ladder/plugin/liveness.py, ladder/run/runner.py).
 - `pytest_sessionfinish`: the graph rung's near-tie flip rule, judged over every prompt of the run, fails
-  the run when a backend flips more often than the plain forward (ladder/tokens.py judge_flips). A worker
+  the run when a backend flips more often than the plain forward (ladder/judges/tokens.py judge_flips). A worker
   that died between cases fails the run too, in one line, and a run stopped by its dead workers says how
-  many cases it never ran (ladder/groups.py, ladder/liveness.py).
+  many cases it never ran (ladder/plugin/groups.py, ladder/plugin/liveness.py).
 - `pytest_terminal_summary`: the table per rung and the op error table at the end, and `--ladder-json
-  FILE` (the same data as JSON, for `nanoqwen ladder` and ladder/report.py).
+  FILE` (the same data as JSON, for `nanoqwen ladder` and ladder/run/report.py).
 
 `attach(config)` (from the plugin's pytest_configure) gives the session its summary.
 """
@@ -36,10 +36,10 @@ from pathlib import Path
 import pytest
 
 from kernels import OPS
-from ladder.liveness import TESTS, beat
-from ladder.report import SLOWEST, cases_json
+from ladder.plugin.liveness import TESTS, beat
+from ladder.run.report import SLOWEST, cases_json
 
-RUNGS = ("unit", "layer", "graph")  # the ladder's rungs: `nanoqwen ladder` runs these (ladder/runner.py)
+RUNGS = ("unit", "layer", "graph")  # the ladder's rungs: `nanoqwen ladder` runs these (ladder/run/runner.py)
 SELFTEST = "selftest"  # ladder/selftest/: the tests of the ladder's own commands and judges, not a rung
 ROWS = (*RUNGS, SELFTEST)  # the summary's rows, each the folder of ladder/ its tests live in (else "other")
 MESSAGE_LINES = 8  # of a failure's message kept in the JSON and report.md: the error, bound, floor, worst pairs
@@ -68,7 +68,7 @@ class RunSummary:
         self.skips = defaultdict(Counter)  # rung -> reason -> n
         self.worst: dict[tuple, dict] = {}  # (rung, backend, format, op) -> worst record
         self.calls = defaultdict(Counter)  # (rung, backend) -> op -> n
-        self.graph: list[dict] = []  # graph rung: one ladder/tokens.py record per prompt and backend
+        self.graph: list[dict] = []  # graph rung: one ladder/judges/tokens.py record per prompt and backend
         self.graph_bounds: list[dict] = []  # the bounds each worker derived (the same, recorded once)
         self.failures: list[dict] = []  # failure_record() of each failed phase, in the order they came
         self.cases = Counter()  # (backend, format, outcome) -> tests: what actually ran, beside what was asked
@@ -82,7 +82,7 @@ class RunSummary:
         self.finished = 0
         self.started = time.monotonic()
         self.last_progress = self.started
-        self.last_beat = 0.0  # when the controller last wrote its sign of life (ladder/liveness.py)
+        self.last_beat = 0.0  # when the controller last wrote its sign of life (ladder/plugin/liveness.py)
 
     def add(self, report, rung: str):
         if report.when in ("setup", "call"):  # a slow setup is a fixture (a model load, the graph rung's bounds)
@@ -158,18 +158,18 @@ class RunSummary:
         }
 
     def launch_map(self) -> dict[str, list[str]]:
-        """node id -> the units it launched, in collection order (ladder/launches.py)."""
+        """node id -> the units it launched, in collection order (ladder/changes/launches.py)."""
         rank = {n: i for i, n in enumerate(self.order)}
         return {n: self.launches[n] for n in sorted(self.launches, key=lambda n: rank.get(n, len(rank)))}
 
     def graph_summaries(self):
-        from ladder.tokens import summarize
+        from ladder.judges.tokens import summarize
 
         return summarize(self.graph)
 
     def flip_verdicts(self):
-        """The near-tie flip rule per backend, over every prompt this run compared (ladder/tokens.py)."""
-        from ladder.tokens import judge_flips
+        """The near-tie flip rule per backend, over every prompt this run compared (ladder/judges/tokens.py)."""
+        from ladder.judges.tokens import judge_flips
 
         return [judge_flips(g) for g in self.graph_summaries()]
 
@@ -192,7 +192,7 @@ def report_params(report) -> dict:
 def failure_message(report) -> tuple[list[str], str]:
     """(the first MESSAGE_LINES lines of a failed report's message, its rerun command). The message is the
     exception's own text (pytest's `reprcrash`, which crosses from an xdist worker with the report), not
-    the traceback; a message without a `rerun:` line (a failure outside ladder/compare.py) gets one made
+    the traceback; a message without a `rerun:` line (a failure outside ladder/judges/compare.py) gets one made
     from the node id."""
     longrepr = report.longrepr
     crash = getattr(getattr(longrepr, "reprcrash", None), "message", None)
@@ -227,7 +227,7 @@ def case_id(nodeid: str) -> str:
 
 
 _CONFIG: dict = {}  # the session's config, for hooks that are not handed it
-BEAT_SECONDS = 1.0  # at most one sign of life a second from the controller (ladder/liveness.py)
+BEAT_SECONDS = 1.0  # at most one sign of life a second from the controller (ladder/plugin/liveness.py)
 PROGRESS_SECONDS = float(os.environ.get("NANOQWEN_PROGRESS_SECONDS", "60"))  # between progress lines
 
 
@@ -268,7 +268,7 @@ def pytest_xdist_node_collection_finished(node, ids):
 def pytest_sessionfinish(session, exitstatus):
     """The graph rung's near-tie flip rule judges all the prompts together, so it decides here, where
     every worker's results have arrived: a backend that flips more often than the plain forward fails
-    the run (ladder/tokens.py judge_flips)."""
+    the run (ladder/judges/tokens.py judge_flips)."""
     config = session.config
     if is_worker(config) or not hasattr(config, "_nanoqwen"):
         return
@@ -284,9 +284,9 @@ def pytest_sessionfinish(session, exitstatus):
 
 def dead_workers(config) -> list[dict]:
     """The workers that died in this run, as failures where their death is not one already: a worker that
-    died between cases (the case a worker died in failed with its line already, ladder/groups.py), and the
+    died between cases (the case a worker died in failed with its line already, ladder/plugin/groups.py), and the
     cases a run stopped by its dead workers never ran."""
-    from ladder.liveness import death_line, rung_of, say
+    from ladder.plugin.liveness import death_line, rung_of, say
 
     s: RunSummary = config._nanoqwen
     deaths = getattr(config, "_nanoqwen_deaths", [])
@@ -338,7 +338,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             tr.line(f"  near-tie: prompt {d['prompt_id']!r} position {d['position']}: reference {d['ref_token']}, "
                     f"engine {d['engine_token']}, margin {d['margin']:.4g}")
     for b in s.graph_bounds:
-        from ladder.tokens import GraphBounds
+        from ladder.judges.tokens import GraphBounds
 
         tr.line(GraphBounds.from_record(b).describe())
     for (b, f), n in sorted(s.unsupported.items()):

@@ -1,5 +1,5 @@
 """The references' results, computed once per machine and kept: the graph rung's bounds and the HF
-simulation's greedy runs (ladder/tokens.py `derive_bounds`, `reference_greedy`), and the layer rung's HF
+simulation's greedy runs (ladder/judges/tokens.py `derive_bounds`, `reference_greedy`), and the layer rung's HF
 decoder-layer outputs (reference/hf.py `hf_block_outputs`).
 
 All are pure functions of their inputs and all cost more than the engine's own checks. The HF
@@ -13,7 +13,7 @@ asks for the same ones.
 So they are kept under the nanoqwen cache folder, keyed by everything they depend on: the model's
 fingerprint (its format, config and tensor checksums) or, for a block, the digest of its weights and
 input; the sources that compute or judge them (reference/, fixtures/dequantized.py, engine/formats/,
-ladder/tokens.py, ladder/tolerances.py); the versions of numpy, torch and transformers; and per item
+ladder/judges/tokens.py, ladder/judges/tolerances.py); the versions of numpy, torch and transformers; and per item
 its prompts' token ids and the number of new tokens. A changed input is a new key, never a stale file;
 the engine and the kernels are not in the key (a mutant or a planted fault changes what is checked,
 not what it is checked against).
@@ -45,13 +45,13 @@ from typing import Callable
 
 import numpy as np
 
-from ladder.tokens import GraphBounds, Reference
+from ladder.judges.tokens import GraphBounds, Reference
 
 STALE_LOCK_SECONDS = 3600.0  # a lock from another host older than this belongs to a worker that died
 KEPT_BYTES = 8 << 30  # kept per kind, newest first (a 152k vocab: ~1 GB of reference runs for 100 prompts, per format)
 BLOCK_KEPT_BELOW = 10_000_000  # a block of more weights runs on the GPU in milliseconds: hashing it costs more
 _HERE = Path(__file__).resolve().parent
-_REPO = _HERE.parent
+_REPO = _HERE.parents[1]
 SOURCES = (_HERE / "tokens.py", _HERE / "tolerances.py", *sorted((_REPO / "reference").glob("*.py")),
            _REPO / "fixtures" / "dequantized.py", *sorted((_REPO / "engine" / "formats").glob("*.py")))
 

@@ -19,7 +19,7 @@ import pytest
 
 from kernels import backend_names, backend_needs_device
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 NESTED = "NANOQWEN_NESTED_RUN"
 _PARENT_ONLY = ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_ADDOPTS", "PYTHONPATH")
 

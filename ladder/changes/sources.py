@@ -1,7 +1,7 @@
 """Reading the kernels' source: which function a line or a token sits in, and which CUDA function calls which.
 
 Two readers need this and must agree: the mutants (ladder/tools/mutants.py names each mutant by the
-function it sits in) and the launch map (ladder/launches.py turns a mutated or changed function into
+function it sits in) and the launch map (ladder/changes/launches.py turns a mutated or changed function into
 the kernels that run it). One reading, here:
 
 - CUDA (kernels/cuda/*.cu, *.cuh): a tokenizer that skips comments, preprocessor lines and string
@@ -22,7 +22,7 @@ import importlib.util
 import re
 from pathlib import Path
 
-CUDA_DIR = Path(__file__).resolve().parents[1] / "kernels" / "cuda"
+CUDA_DIR = Path(__file__).resolve().parents[2] / "kernels" / "cuda"
 
 
 def cuda_module(name: str, folder: Path = CUDA_DIR):

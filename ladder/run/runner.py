@@ -1,5 +1,5 @@
 """`nanoqwen ladder`: the unit, layer and graph rungs in order, each as its own pytest process, and the
-report folder at the end (ladder/report.py).
+report folder at the end (ladder/run/report.py).
 
 It must work the way a user runs it: the installed command, started from any folder, on any model.
 So every path the user gives (`--model`, `--prompts`, `--report`, `--baseline`) is made absolute
@@ -46,7 +46,7 @@ from engine.errors import NanoqwenError, one_line
 from engine.cli import int_at_least
 
 RUNGS = ("unit", "layer", "graph")
-PACKAGE = Path(__file__).resolve().parent  # ladder/: the rungs' test folders live here
+PACKAGE = Path(__file__).resolve().parents[1]  # ladder/: the rungs' test folders live here
 ROOT = PACKAGE.parent  # the folder that holds the project's packages (a checkout, or site-packages)
 
 
@@ -60,7 +60,7 @@ def rung_command(rung: str, out: Path, args, extra: list[str]) -> list[str]:
            "--ladder-json", str(out / f"{rung}.json"),
            "--junitxml", str(out / f"junit-{rung}.xml"), "-o", "junit_family=xunit2"]
     workers = worker_count(args, rung)
-    if workers != "0":  # a format's cases stay together on one worker (ladder/plugin.py marks the groups)
+    if workers != "0":  # a format's cases stay together on one worker (ladder/plugin/__init__.py marks the groups)
         cmd += ["-n", workers, "--dist", "loadgroup"]
     for opt in ("backend", "quant", "model", "prompts", "plant_fault", "hypothesis_profile", "new_tokens", "shard"):
         value = getattr(args, opt, None)
@@ -79,7 +79,7 @@ def worker_count(args, rung: str) -> str:
     take the backend's own measured choice (kernels/base.py test_workers: four per GPU on CUDA), whose cases
     wait on the device, while the unit rung, whose time goes to float64 references on the host, keeps one
     worker per core. A user's model then caps the layer and graph rungs' workers at what fits the GPU's and
-    the host's memory (ladder/workers.py), and one line says what was chosen."""
+    the host's memory (ladder/run/workers.py), and one line says what was chosen."""
     from kernels import backend_available, backend_class, backend_names, backend_needs_device
 
     names = backend_names() if args.backend in (None, "all") else [args.backend]
@@ -93,7 +93,7 @@ def worker_count(args, rung: str) -> str:
     files = getattr(args, "model_files", None)
     if rung == "unit" or not files or chosen == "0":
         return chosen
-    from ladder.workers import size_workers
+    from ladder.run.workers import size_workers
 
     running = [n for n in names if backend_available(n)[0]]
     n = (os.cpu_count() or 1) if chosen == "auto" else int(chosen)
@@ -123,10 +123,10 @@ def _absolute(value: str | None) -> str | None:
 
 def check_required_backends(args) -> None:
     """A backend required (--require-backend, NANOQWEN_REQUIRE_GPU=1) that cannot run on this machine stops
-    the command before any rung starts or any model is converted: one line, exit 2 (ladder/required.py;
+    the command before any rung starts or any model is converted: one line, exit 2 (ladder/plugin/required.py;
     each rung's pytest would refuse the run too, one rung after another under --keep-going)."""
     from kernels import backend_names
-    from ladder.required import refusal, required_backends
+    from ladder.plugin.required import refusal, required_backends
 
     selected = backend_names() if args.backend in (None, "all") else [args.backend]
     why = refusal(required_backends([args.require_backend] if args.require_backend else []), selected)
@@ -154,7 +154,7 @@ def run_rung(cmd: list[str], env: dict, rung: str | None = None, out: Path | Non
 
     A watchdog. The rung gets a fresh progress folder (NANOQWEN_PROGRESS_DIR: `out/.progress-RUNG`, removed
     at the end), where its processes write their progress lines and signs of life (engine/progress.py,
-    ladder/liveness.py): each new progress line is printed here on stderr (a worker's, from inside a
+    ladder/plugin/liveness.py): each new progress line is printed here on stderr (a worker's, from inside a
     fixture, would be captured by pytest), and a rung in which no file there changed, so no test finished
     and none started, for NANOQWEN_STALL_SECONDS (default 900; 0: never) is stopped: SIGINT to its
     process group (pytest writes what it has), SIGKILL STOP_GRACE seconds later, and one line naming the
@@ -215,7 +215,7 @@ def run_rung(cmd: list[str], env: dict, rung: str | None = None, out: Path | Non
         watch.record(cmd, stalled)
         return RED, None
     if code < 0:  # pytest itself was killed (its workers' deaths it reports itself, one line each)
-        from ladder.liveness import cause
+        from ladder.plugin.liveness import cause
 
         watch.say(f"nanoqwen: rung {rung}: its pytest process was {cause(code, {})}")
     text = bytes(kept).decode(errors="replace")
@@ -327,7 +327,7 @@ class _signals_as_exceptions:
 
 class RungWatch:
     """The rung's progress folder, looked at every WATCH_SECONDS: the new progress lines (`PID.line`) go to
-    stderr; a change of any file (a line, a case started or ended, tests finished: ladder/liveness.py) is
+    stderr; a change of any file (a line, a case started or ended, tests finished: ladder/plugin/liveness.py) is
     progress; `tick()` returns the stall line once there has been none for `stall` seconds."""
 
     def __init__(self, folder: Path, rung: str, stall: float):
@@ -340,7 +340,7 @@ class RungWatch:
         self.begun = False  # whether a case has started
 
     def tick(self, final: bool = False) -> str | None:
-        from ladder.liveness import CASE, LINE
+        from ladder.plugin.liveness import CASE, LINE
 
         changed = []
         try:
@@ -378,7 +378,7 @@ class RungWatch:
 
     def running(self) -> list[str]:
         """`[gw1] NODE ID` of each live process whose last case beat says its case started and has not ended."""
-        from ladder.liveness import CASE
+        from ladder.plugin.liveness import CASE
 
         out = []
         for name, sig in self.seen.items():
@@ -473,8 +473,8 @@ def broken_shard(folders: list[str]) -> str | None:
 def cmd_ladder(args) -> int:
     """Run the rungs in order; stop at the first red one unless --keep-going, at a broken one always.
     What the run takes of the machine is sampled from the model's conversion to the last rung
-    (ladder/resources.py) and goes into the report."""
-    from ladder.resources import Resources
+    (ladder/run/resources.py) and goes into the report."""
+    from ladder.run.resources import Resources
 
     resources = Resources().start()
     try:
@@ -484,12 +484,12 @@ def cmd_ladder(args) -> int:
 
 
 def _ladder(args, resources) -> int:
-    from ladder import report as ladder_report
+    from ladder.run import report as ladder_report
     from engine.resolve import resolve_model
 
     check_required_backends(args)
     if args.shard:
-        from ladder.shards import ShardError, parse_shard
+        from ladder.run.shards import ShardError, parse_shard
 
         try:
             parse_shard(args.shard)
@@ -517,7 +517,7 @@ def _ladder(args, resources) -> int:
         raise LadderArgumentError(f"--quant {args.quant}: unknown format; known: {', '.join(sorted(FORMATS))}, all")
     formats = sorted(FORMATS) if args.quant == "all" else [args.quant]
     model_files = []  # the model under test, one file per format it runs in
-    from ladder.resources import describe
+    from ladder.run.resources import describe
 
     resources.phase = "convert"
     t_convert = time.perf_counter()
@@ -539,7 +539,7 @@ def _ladder(args, resources) -> int:
     args.model_files = model_files  # the rungs' workers are sized to them (worker_count)
     t_convert = time.perf_counter() - t_convert  # resolving the model: its conversions where they are not cached
     if args.plant_fault:  # an unknown fault is the user's typo, not a red rung
-        from ladder.faults import parse
+        from ladder.checks.faults import parse
 
         try:
             parse(args.plant_fault)
@@ -617,12 +617,12 @@ def _ladder(args, resources) -> int:
 
 
 def plan_launches(args, out: Path) -> Path | None:
-    """The rungs' launch-map flags (ladder/launches.py), set on `args.launch_flags`; returns the kept map's
+    """The rungs' launch-map flags (ladder/changes/launches.py), set on `args.launch_flags`; returns the kept map's
     file when this run records one. The map is recorded where that costs nothing (CUDA launches; NumPy on
     Python 3.12+), with --record-launches, and when --changed finds none to read. With --changed REV
     the rungs run only the cases that launch kernel code changed since REV."""
     from kernels import backend_names, backend_needs_device
-    from ladder import launches
+    from ladder.changes import launches
 
     backends = backend_names() if args.backend in (None, "all") else [args.backend]
     # a device backend's launches report themselves (kernels/base.py observe_launches): free to record
@@ -657,7 +657,7 @@ def plan_launches(args, out: Path) -> Path | None:
 
 def keep_launches(results: dict, out: Path, path: Path) -> None:
     """The rungs' launch maps into the report folder (launches.json) and the kept map of this backend and model."""
-    from ladder import launches
+    from ladder.changes import launches
 
     cases = {n: u for r in results.values() for n, u in r.pop("launches", {}).items()}
     for r in results.values():
@@ -669,10 +669,10 @@ def keep_launches(results: dict, out: Path, path: Path) -> None:
 
 def cmd_merge(args) -> int:
     """`nanoqwen ladder merge REPORT... [--report OUT] [--baseline DIR] [--coverage]`: one report from
-    the report folders of the shards of one run (ladder/shards.py). Its own parser (register_merge): a
+    the report folders of the shards of one run (ladder/run/shards.py). Its own parser (register_merge): a
     run's option given to a merge is a usage error, one line, exit 2."""
-    from ladder import report as ladder_report
-    from ladder.shards import ShardError, merge_reports
+    from ladder.run import report as ladder_report
+    from ladder.run.shards import ShardError, merge_reports
 
     folders = args.reports
     missing = [f for f in folders if not Path(f).expanduser().is_dir()]
@@ -712,7 +712,7 @@ def print_table(rep: dict, show_coverage: bool) -> None:
     for rung, r in rep["rungs"].items():
         print(f"{rung:<7}{r['exit']:>5}{r.get('passed', 0):>8}{r.get('failed', 0):>8}{r.get('skipped', 0):>9}"
               f"{r['seconds']:>9.1f}")
-    from ladder.report import NO_FORMAT, failure_view, op_key
+    from ladder.run.report import NO_FORMAT, failure_view, op_key
 
     # one row per (rung, backend, format, op): a format's op that fails must not hide behind another's
     ops = sorted(rep["ops"], key=lambda o: tuple(str(x) for x in op_key(o)))
@@ -770,7 +770,7 @@ def register(sub) -> None:
     lad.add_argument("--report", help="report folder (default: reports/ladder-TIMESTAMP under the current folder)")
     lad.add_argument("--baseline", help="an earlier report folder: flag ops that regressed or newly fail")
     lad.add_argument("--coverage", action="store_true", help="list each backend's ops and the rungs that called them")
-    lad.add_argument("--plant-fault", help="plant a fault from ladder/faults.py (the run must go red)")
+    lad.add_argument("--plant-fault", help="plant a fault from ladder/checks/faults.py (the run must go red)")
     lad.add_argument("--hypothesis-profile", choices=["ci", "nightly"], help="Hypothesis profile (default ci)")
     lad.add_argument("--new-tokens", type=int_at_least(1, "a positive integer"), help="graph rung: tokens generated per prompt "
                                                               "(default: past the next page boundary)")

@@ -4,13 +4,13 @@ Beats. When NANOQWEN_PROGRESS_DIR names a folder (`nanoqwen ladder` gives each r
 process that runs a case writes `PID.case` there as the case starts and as it ends (`[gw1] started
 NODE ID`), and the controller's summary writes `PID.tests` as tests finish (`37 tests finished`, at most
 once a second). engine/progress.py writes each progress line as `PID.line` in the same folder. The ladder
-(ladder/runner.py run_rung) prints the `.line` files as they change, counts a change of any file as
+(ladder/run/runner.py run_rung) prints the `.line` files as they change, counts a change of any file as
 progress, and stops a rung whose folder stays still for its stated time, naming the cases that had
 started and not ended. Beats are files of their own, not progress lines, so they are never printed.
 
 Vital signs. Each pytest-xdist worker writes its pid, its resident memory, the host's available and total
 memory and the case it is running into `gwN.vitals`, every VITALS_SECONDS from a daemon thread, in the
-folder the controller hands it (ladder/groups.py; not the progress folder: a worker stuck in a case still
+folder the controller hands it (ladder/plugin/groups.py; not the progress folder: a worker stuck in a case still
 samples, and that is no progress).
 
 A worker's death. The worker is a child of the controller (execnet's popen gateway). When it dies,
@@ -20,7 +20,7 @@ reads the worker's last vital signs. pytest-xdist then reports the case the work
 (`pytest_handlecrashitem`); that report's message becomes one line, `worker gw1 died while running NODE
 ID: killed by signal 9 (SIGKILL: ...; its last resident memory 12.5 GB, host memory available 0.3 GB of
 24.0 GB)`, which the rung prints on stderr as it happens, pytest's FAILED line and the report carry. A
-worker that died between cases fails the run at its end with the same line (ladder/summary.py).
+worker that died between cases fails the run at its end with the same line (ladder/plugin/summary.py).
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ def death_line(worker: str, case: str | None, why: str) -> str:
 
 def rung_of(nodeid: str | None, config=None) -> str | None:
     """The rung of a case, from its path, else from the run's `-m RUNG` (a rung's pytest, `nanoqwen ladder`)."""
-    from ladder.summary import RUNGS
+    from ladder.plugin.summary import RUNGS
 
     path = (nodeid or "").replace(os.sep, "/")
     mark = getattr(getattr(config, "option", None), "markexpr", None)

@@ -2,7 +2,7 @@
 
 A backend is required by `--require-backend NAME` (pytest and `nanoqwen ladder` alike), or, for every
 registered backend that needs an accelerator (cuda), by NANOQWEN_REQUIRE_GPU=1 in the environment (the
-nightly GPU job sets it). Inside a run a required backend's skip is a failure (ladder/plugin.py); but
+nightly GPU job sets it). Inside a run a required backend's skip is a failure (ladder/plugin/__init__.py); but
 when the backend cannot run here at all, every one of its tests would fail one by one (a GPU run on a
 machine without a GPU took over 25 minutes to say so), so the run is refused before anything starts:
 the pytest plugin in the controller, before collection and before any pytest-xdist worker starts

@@ -2,7 +2,7 @@
 
 `assert_close(op, out, ref, plain, ...)` is the unit rung's check: `ref` is the float64 reference,
 `plain` the same reference in fp32 on storage-rounded inputs (its error is the op's noise floor, see
-ladder/tolerances.py). NaN anywhere in `out` fails (outputs start sentinel-filled with NaN, so an
+ladder/judges/tolerances.py). NaN anywhere in `out` fails (outputs start sentinel-filled with NaN, so an
 element never written fails too). A failure prints the relative L2 error, the max abs error and where,
 the first few `(out, ref)` pairs, the shape, the case and its seed, and the command that reruns it.
 Every check is recorded (op, backend, error as a multiple of the floor, the bound) for the end-of-run
@@ -17,14 +17,14 @@ import shlex
 
 import numpy as np
 
-from ladder.tolerances import TOL
+from ladder.judges.tolerances import TOL
 
 # Records of this process's checks; the pytest plugin moves them onto each test's report.
 RECORDS: list[dict] = []
 
 
 def rerun_command() -> str:
-    from ladder.summary import case_id  # without pytest-xdist's `@group` suffix, which a rerun would not find
+    from ladder.plugin.summary import case_id  # without pytest-xdist's `@group` suffix, which a rerun would not find
 
     node = case_id(os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0])
     return f"python -m pytest {shlex.quote(node)}" if node else "python -m pytest"

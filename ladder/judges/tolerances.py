@@ -48,13 +48,13 @@ TOL: dict[tuple[str, str], Tol] = {
     # Whole-model checks: the floor is the engine's own full-prefill error against the float64 model.
     ("decode_logits", "float32"): Tol(2.0, 0.0, "decode through the cache is another valid fp16 rounding path than a full prefill"),
     # Graph rung: the floor is the plain whole-model forward (reference.model.ref_forward, fp32 with fp16
-    # storage) against the HF simulation, on FLOOR_PROMPTS of the prompts (ladder/tokens.py derive_bounds).
+    # storage) against the HF simulation, on FLOOR_PROMPTS of the prompts (ladder/judges/tokens.py derive_bounds).
     ("graph_logits", "float32"): Tol(4.0, 8.0, "the engine is another fp16 rounding path (fused ops, other sum orders) "
                                                "and is judged on every prompt, the floor on a subset: 1.6x it on the default model"),
 }
 
 
-# Graph rung: the bounds are derived per model from its measured floor (ladder/tokens.py derive_bounds),
+# Graph rung: the bounds are derived per model from its measured floor (ladder/judges/tokens.py derive_bounds),
 # never typed. The engine's logits may differ from the HF simulation's by at most
 #     allowed = TOL[("graph_logits", "float32")].bound(floor, max |reference logit|, float32)
 # and a token mismatch whose reference margin (its logit of its own token minus its logit of the

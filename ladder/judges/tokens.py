@@ -15,7 +15,7 @@ whole model (reference.model.ref_forward in fp32 with fp16 storage, one causal p
 and the reference's tokens) and the HF simulation's, over the new positions of a spread of the prompts
 (`spread_by_length`: the same ones in every xdist worker, so every worker derives the same bounds). The
 engine may differ from the simulation by `allowed` = TOL[("graph_logits", "float32")] of that floor;
-the near-tie epsilon is NEAR_TIE_EPS_PER_LOGIT_DIFF x allowed (ladder/tolerances.py says why).
+the near-tie epsilon is NEAR_TIE_EPS_PER_LOGIT_DIFF x allowed (ladder/judges/tolerances.py says why).
 
 Identical greedy tokens pass. At a mismatch, `margin = ref_logits[ref_token] - ref_logits[engine_token]`
 decides: under the epsilon it is a near-tie (recorded), otherwise a failure (prompt id, position, both
@@ -46,7 +46,7 @@ import numpy as np
 from engine.config import PAGE_SIZE
 import math
 
-from ladder.tolerances import (FLIP_TEST_ALPHA, FLOOR_PROMPTS, MAX_ALLOWED_PER_SPREAD, NEAR_TIE_EPS_PER_LOGIT_DIFF,
+from ladder.judges.tolerances import (FLIP_TEST_ALPHA, FLOOR_PROMPTS, MAX_ALLOWED_PER_SPREAD, NEAR_TIE_EPS_PER_LOGIT_DIFF,
                                TOL)
 
 PAGE = PAGE_SIZE
@@ -214,7 +214,7 @@ class GraphBounds:
 def bounds_from_floor(floor: float, ref_scale: float, floor_q999: float | None = None, prompts=(),
                       positions: int = 0, floor_close: int = 0, floor_flips: int = 0,
                       spread: float = float("inf")) -> GraphBounds:
-    """The bounds a measured floor implies (ladder/tolerances.py: TOL[("graph_logits", "float32")])."""
+    """The bounds a measured floor implies (ladder/judges/tolerances.py: TOL[("graph_logits", "float32")])."""
     tol = TOL[("graph_logits", "float32")]
     allowed = tol.bound(floor, ref_scale, np.float32)
     return GraphBounds(float(floor), float(floor if floor_q999 is None else floor_q999), float(ref_scale),
