@@ -23,9 +23,15 @@ from ladder.judges.tolerances import TOL
 RECORDS: list[dict] = []
 
 
-def rerun_command() -> str:
-    from ladder.plugin.summary import case_id  # without pytest-xdist's `@group` suffix, which a rerun would not find
+def case_id(nodeid: str) -> str:
+    """A node id without the `@group` suffix pytest-xdist gives it under `--dist loadgroup`: a rerun would
+    not find it with the suffix, and the launch map is read by runs with and without workers (`nanoqwen
+    mutate` runs each mutant's cases in one process)."""
+    head, at, group = nodeid.rpartition("@")
+    return head if at and not any(c in group for c in "[]:/") else nodeid
 
+
+def rerun_command() -> str:
     node = case_id(os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0])
     return f"python -m pytest {shlex.quote(node)}" if node else "python -m pytest"
 

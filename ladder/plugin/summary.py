@@ -36,6 +36,7 @@ from pathlib import Path
 import pytest
 
 from kernels import OPS
+from ladder.judges.compare import case_id  # noqa: F401  (the launch map's and the report's case ids)
 from ladder.plugin.liveness import TESTS, beat
 from ladder.run.report import SLOWEST, cases_json
 
@@ -217,13 +218,6 @@ def failure_record(report, rung: str) -> dict:
     lines, rerun = failure_message(report)
     return {"test": case_id(report.nodeid), "rung": rung, **report_params(report), "when": report.when,
             "message": lines, "rerun": rerun}
-
-
-def case_id(nodeid: str) -> str:
-    """A node id without the `@group` suffix pytest-xdist gives it under `--dist loadgroup`: the launch map
-    is read by runs with and without workers (`nanoqwen mutate` runs each mutant's cases in one process)."""
-    head, at, group = nodeid.rpartition("@")
-    return head if at and not any(c in group for c in "[]:/") else nodeid
 
 
 _CONFIG: dict = {}  # the session's config, for hooks that are not handed it

@@ -6,6 +6,8 @@ the few arrows allowed to one module only, from one module: (importing module, i
 `LEAVES` are the parts no other part imports at all: no arrow, wide or narrow, points into them.
 Inside ladder/, `LADDER_LAYERS` keep the ladder itself apart from what is built on it: the tools that drive
 it (ladder/tools/) and the self-tests (ladder/selftest/); an arrow points into a layer only from above.
+Inside the ladder itself, `CORE_GROUPS` keep the judges, the checks and the change reading below the
+plugin and the runner.
 """
 
 from __future__ import annotations
@@ -40,6 +42,23 @@ LEAVES = frozenset({"bench"})
 LADDER_LAYERS = ("ladder.selftest", "ladder.tools")
 
 
+# Inside the ladder's core, the groups that decide and check sit below the rest: what each may import of
+# the other core groups (the rungs, plugin/ and run/, the top of the core, may import any core group).
+# judges/ decides with nothing but its own table; checks/ run an op or a block and judge it; changes/
+# reads sources and git. None of them may reach up into the plugin or the runner.
+CORE_GROUPS: dict[str, frozenset[str]] = {
+    "ladder.judges": frozenset(),
+    "ladder.changes": frozenset(),
+    "ladder.checks": frozenset({"ladder.judges"}),
+}
+
+
+def core_group(module: str) -> str | None:
+    """The core group of ladder/ that `module` belongs to ("ladder.judges", ...), or None."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) >= 2 and parts[0] == "ladder" else None
+
+
 def ladder_layer(module: str) -> int:
     """0 for the ladder itself, higher for each layer of `LADDER_LAYERS` above it."""
     for i, prefix in enumerate(LADDER_LAYERS):
@@ -52,7 +71,14 @@ def allowed(importer: str, imported: str) -> bool:
     """Whether module `importer` (dotted name) may import module `imported`."""
     src, dst = importer.split(".")[0], imported.split(".")[0]
     if src == dst:
-        return src != "ladder" or ladder_layer(importer) >= ladder_layer(imported)
+        if src != "ladder":
+            return True
+        if ladder_layer(importer) < ladder_layer(imported):
+            return False
+        group, target = core_group(importer), core_group(imported)
+        if group in CORE_GROUPS and target != group and target is not None and target != "ladder":
+            return target in CORE_GROUPS[group]
+        return True
     if dst in LEAVES:
         return False
     return dst in ARROWS.get(src, ()) or (importer, imported) in NARROW_ARROWS

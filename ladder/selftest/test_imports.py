@@ -106,6 +106,11 @@ def test_the_scan_sees_a_wrong_arrow(tmp_path):
     assert not allowed("ladder.tools.bisect", "ladder.selftest.test_bisect")
     assert allowed("ladder.tools.mutate", "ladder.run.nested") and allowed("ladder.tools.mutate", "ladder.tools.mutants")
     assert allowed("ladder.selftest.test_mutants", "ladder.tools.mutate") and allowed("bench.measure", "ladder.tools.gemv_timing")
+    # inside the core: the judges, checks and change reading never reach up into the plugin or the runner
+    assert not allowed("ladder.judges.compare", "ladder.plugin.summary")
+    assert not allowed("ladder.checks.ops", "ladder.run.runner") and not allowed("ladder.changes.git", "ladder.judges.tokens")
+    assert allowed("ladder.checks.ops", "ladder.judges.compare") and allowed("ladder.plugin.summary", "ladder.judges.compare")
+    assert allowed("ladder.run.runner", "ladder.plugin.required") and allowed("ladder.judges.tokens", "ladder.judges.tolerances")
 
 
 def _is_test_module(dotted: str) -> bool:
