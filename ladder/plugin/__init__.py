@@ -93,7 +93,7 @@ def pytest_addoption(parser):
     g.addoption("--skip-determinism", action="store_true",
                 help="graph rung: skip the three-run determinism test (slow machines)")
     g.addoption("--shard", default=None, metavar="I/N",
-                help="run shard I of N of the collected tests (a stable hash of each node id: ladder/run/shards.py)")
+                help="run shard I of N of the collected tests (a stable hash of each node id: ladder/plugin/sharding.py)")
     g.addoption("--record-launches", action="store_true",
                 help="record the kernel code each case launches (the launch map, ladder/changes/launches.py)")
     g.addoption("--launching", default=None, metavar="FILE",
@@ -281,7 +281,7 @@ def _rung_of(item) -> str | None:
 def pytest_collection_modifyitems(config, items):
     spec = config.getoption("--shard")
     if spec:  # every worker (and a run without workers) keeps the same shard: a hash of the node id
-        from ladder.run.shards import ShardError, parse_shard, select
+        from ladder.plugin.sharding import ShardError, parse_shard, select
 
         try:
             index, count = parse_shard(spec)

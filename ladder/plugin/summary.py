@@ -38,14 +38,23 @@ import pytest
 from kernels import OPS
 from ladder.judges.compare import case_id  # noqa: F401  (the launch map's and the report's case ids)
 from ladder.plugin.liveness import TESTS, beat
-from ladder.run.report import SLOWEST, cases_json
 
+SLOWEST = 15  # the slowest tests over all rungs, in report.json and report.md
 RUNGS = ("unit", "layer", "graph")  # the ladder's rungs: `nanoqwen ladder` runs these (ladder/run/runner.py)
 SELFTEST = "selftest"  # ladder/selftest/: the tests of the ladder's own commands and judges, not a rung
 ROWS = (*RUNGS, SELFTEST)  # the summary's rows, each the folder of ladder/ its tests live in (else "other")
 MESSAGE_LINES = 8  # of a failure's message kept in the JSON and report.md: the error, bound, floor, worst pairs
 LINE_CHARS = 300  # of each such line: a row of worst pairs, or a Hypothesis example, can run on for pages
 RERUN_IN_TRACEBACK = re.compile(r"^(?:E\s+)?rerun: (.+)$", re.MULTILINE)  # pytest marks exception lines "E   "
+
+
+def cases_json(cases) -> list[dict]:
+    """[{backend, format, passed, failed, skipped}]: the tests per backend and format, by outcome."""
+    rows: dict[tuple, dict] = {}
+    for (b, f, outcome), n in cases.items():
+        row = rows.setdefault((b, f), {})
+        row[outcome] = row.get(outcome, 0) + n
+    return [{"backend": b, "format": f, **c} for (b, f), c in sorted(rows.items(), key=lambda kv: tuple(str(x) for x in kv[0]))]
 
 
 def is_worker(config) -> bool:

@@ -26,9 +26,9 @@ from pathlib import Path
 
 from kernels import OPS
 from ladder.judges.tolerances import MAX_ALLOWED_PER_SPREAD
+from ladder.plugin.summary import SLOWEST, cases_json  # noqa: F401  (made by the plugin's summary; merge reads them here)
 
 BASELINE_GROWTH = 1.5  # an op's worst multiple of its noise floor may grow this much before it is flagged
-SLOWEST = 15  # the slowest tests over all rungs, in report.json and report.md
 FAILURES_SHOWN = 20  # failures with their messages in report.md (report.json keeps every one)
 NO_FORMAT = "-"  # how a record of a case that runs in no format (rmsnorm, embed) shows its format
 CHART = "report.png"
@@ -133,15 +133,6 @@ def op_key(o: dict) -> tuple:
 
 def _key_text(key: tuple) -> str:
     return "/".join(NO_FORMAT if k is None else str(k) for k in key)
-
-
-def cases_json(cases) -> list[dict]:
-    """[{backend, format, passed, failed, skipped}]: the tests per backend and format, by outcome."""
-    rows: dict[tuple, dict] = {}
-    for (b, f, outcome), n in cases.items():
-        row = rows.setdefault((b, f), {})
-        row[outcome] = row.get(outcome, 0) + n
-    return [{"backend": b, "format": f, **c} for (b, f), c in sorted(rows.items(), key=lambda kv: tuple(str(x) for x in kv[0]))]
 
 
 def ran(rung_results: dict[str, dict]) -> tuple[list[str], list[str]]:

@@ -489,7 +489,7 @@ def _ladder(args, resources) -> int:
 
     check_required_backends(args)
     if args.shard:
-        from ladder.run.shards import ShardError, parse_shard
+        from ladder.plugin.sharding import ShardError, parse_shard
 
         try:
             parse_shard(args.shard)
@@ -669,10 +669,10 @@ def keep_launches(results: dict, out: Path, path: Path) -> None:
 
 def cmd_merge(args) -> int:
     """`nanoqwen ladder merge REPORT... [--report OUT] [--baseline DIR] [--coverage]`: one report from
-    the report folders of the shards of one run (ladder/run/shards.py). Its own parser (register_merge): a
+    the report folders of the shards of one run (ladder/run/merge.py). Its own parser (register_merge): a
     run's option given to a merge is a usage error, one line, exit 2."""
     from ladder.run import report as ladder_report
-    from ladder.run.shards import ShardError, merge_reports
+    from ladder.run.merge import ShardError, merge_reports
 
     folders = args.reports
     missing = [f for f in folders if not Path(f).expanduser().is_dir()]

@@ -42,14 +42,15 @@ LEAVES = frozenset({"bench"})
 LADDER_LAYERS = ("ladder.selftest", "ladder.tools")
 
 
-# Inside the ladder's core, the groups that decide and check sit below the rest: what each may import of
-# the other core groups (the rungs, plugin/ and run/, the top of the core, may import any core group).
-# judges/ decides with nothing but its own table; checks/ run an op or a block and judge it; changes/
-# reads sources and git. None of them may reach up into the plugin or the runner.
+# Inside the ladder's core, one direction: what each group may import of the other core groups (run/ and
+# the rungs, the top of the core, may import any). judges/ decides with nothing but its own table;
+# checks/ run an op or a block and judge it; changes/ reads sources and git; plugin/ is what pytest loads,
+# and run/ (the command that starts pytest with it, and reads what it wrote) sits above it.
 CORE_GROUPS: dict[str, frozenset[str]] = {
     "ladder.judges": frozenset(),
     "ladder.changes": frozenset(),
     "ladder.checks": frozenset({"ladder.judges"}),
+    "ladder.plugin": frozenset({"ladder.judges", "ladder.checks", "ladder.changes"}),
 }
 
 

@@ -111,6 +111,7 @@ def test_the_scan_sees_a_wrong_arrow(tmp_path):
     assert not allowed("ladder.checks.ops", "ladder.run.runner") and not allowed("ladder.changes.git", "ladder.judges.tokens")
     assert allowed("ladder.checks.ops", "ladder.judges.compare") and allowed("ladder.plugin.summary", "ladder.judges.compare")
     assert allowed("ladder.run.runner", "ladder.plugin.required") and allowed("ladder.judges.tokens", "ladder.judges.tolerances")
+    assert not allowed("ladder.plugin.summary", "ladder.run.report") and allowed("ladder.run.report", "ladder.plugin.summary")
 
 
 def _is_test_module(dotted: str) -> bool:

@@ -116,7 +116,7 @@ def test_a_baseline_written_before_formats_were_recorded_still_loads_and_matches
 
 
 def test_merging_shards_keeps_the_format_and_reads_failures_written_as_bare_node_ids():
-    from ladder.run.shards import merge_rung_data
+    from ladder.run.merge import merge_rung_data
 
     record = {"test": "t::new[numpy-int8_sym_channel]", "rung": "unit", "backend": "numpy", "format": "int8_sym_channel",
               "when": "call", "message": ["qkv_proj: too far"], "rerun": "python -m pytest 't::new'"}

@@ -1,4 +1,4 @@
-"""Self-test: `nanoqwen ladder --shard I/N` and `nanoqwen ladder merge` (ladder/run/shards.py).
+"""Self-test: `nanoqwen ladder --shard I/N` and `nanoqwen ladder merge` (ladder/plugin/sharding.py, ladder/run/merge.py).
 
 The end-to-end test runs the NumPy ladder (a small selection of every rung, so CI pays about two
 minutes) once whole and once as three shards, merges the shards, and requires the merged report to say
@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from ladder.run.nested import child_env, skip_inside_nested_run
-from ladder.run.shards import ShardError, merge_rung_data, parse_shard, shard_of
+from ladder.plugin.sharding import ShardError, parse_shard, shard_of
+from ladder.run.merge import merge_rung_data
 
 REPO = Path(__file__).resolve().parents[2]
 EXE = shutil.which("nanoqwen")

@@ -1,15 +1,9 @@
-"""Sharding the ladder over machines, and merging the shards' reports back into one.
+"""Merging the shards' reports back into one.
 
     nanoqwen ladder --shard I/N ...          each of N machines runs shard I (1-based) of every rung
     nanoqwen ladder merge R1 R2 ... RN [--report OUT] [--baseline DIR] [--coverage]
 
-A test belongs to shard `crc32(nodeid) % N + 1`: a stable hash of the pytest node id (the path under
-the project root, the test name and its parameters), so the split is the same on every machine and
-every night, needs no coordination, and spreads every rung, format and backend over the shards (the
-graph rung's prompts too). The plugin (ladder/plugin/__init__.py) deselects the other shards' tests after
-collection; the rung's JSON records the shard.
-
-`merge` folds the shards' rung files (RUNG.json, junit-RUNG.xml) into one report folder, as if one
+Which shard a case belongs to is the plugin's (ladder/plugin/sharding.py). `merge` folds the shards' rung files (RUNG.json, junit-RUNG.xml) into one report folder, as if one
 machine had run everything: counts and skip reasons summed (per rung, and per backend and format), each
 op's worst error the worst over the shards (per rung, backend, format and op), op calls summed (so the
 coverage table is the union), graph-rung totals summed with the largest logit difference kept, bounds
@@ -24,42 +18,12 @@ sharded and unsharded reports.
 from __future__ import annotations
 
 import json
-import re
 import xml.etree.ElementTree as ET
-import zlib
 from collections import Counter
 from pathlib import Path
 
-from engine.errors import NanoqwenError
+from ladder.plugin.sharding import ShardError  # noqa: F401  (the merge refuses with the selection's error)
 from ladder.run import report as ladder_report
-
-
-class ShardError(NanoqwenError):
-    """A --shard value or a set of shard reports that cannot be used (one line, exit 2)."""
-
-
-def parse_shard(spec: str) -> tuple[int, int]:
-    """"I/N" -> (I, N) with 1 <= I <= N."""
-    m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", spec or "")
-    if not m:
-        raise ShardError(f"--shard {spec!r}: expected I/N, e.g. 2/4 (shard I of N, counted from 1)")
-    i, n = int(m.group(1)), int(m.group(2))
-    if n < 1 or not 1 <= i <= n:
-        raise ShardError(f"--shard {spec}: I must be between 1 and N (N >= 1)")
-    return i, n
-
-
-def shard_of(nodeid: str, count: int) -> int:
-    """The shard (1-based) a test belongs to: a stable hash of its node id."""
-    return zlib.crc32(nodeid.replace("\\", "/").encode()) % count + 1
-
-
-def select(items: list, index: int, count: int) -> tuple[list, list]:
-    """(kept, deselected) items of shard `index` of `count`."""
-    kept, dropped = [], []
-    for item in items:
-        (kept if shard_of(item.nodeid, count) == index else dropped).append(item)
-    return kept, dropped
 
 
 # ---- merging rung files -------------------------------------------------------------------------
