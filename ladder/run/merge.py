@@ -22,7 +22,7 @@ import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
 
-from ladder.plugin.sharding import ShardError  # noqa: F401  (the merge refuses with the selection's error)
+from ladder.plugin.sharding import ShardError, parse_shard
 from ladder.run import report as ladder_report
 
 

@@ -44,7 +44,7 @@ def _model(name: str):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["default", "seeded-0.5b"])
 def test_the_gpu_references_agree_with_the_host_references_within_the_floor(name):
-    torch = _gpu()
+    _gpu()
     from fixtures.dequantized import dequantized_weights
     from fixtures.prompts import prompts_for_model
     from ladder.judges.tokens import floor_logits, reference_greedy, spread_by_length, tokens_to_generate
