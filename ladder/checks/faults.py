@@ -142,24 +142,39 @@ def _wrong_rope_theta(backend, active):
 def _fp16_accumulation(backend, active, in_format=_every_format):
     """down_residual accumulates its dot products in fp16 (sequentially over 128-wide groups)."""
     hosts: dict[int, tuple] = {}
+    groups: dict[int, np.ndarray] = {}  # id(w) -> its float32 weight as (groups, 128, out), made at first use
 
     def prepare_make(original):
         def prepare(fmt, tensors, out_features, in_features):
             w = original(fmt, tensors, out_features, in_features)
             if in_format(fmt):  # a weight it does not keep runs the real op
                 hosts[id(w)] = (w, {k: np.array(v, copy=True) for k, v in tensors.items()})
+                groups.pop(id(w), None)
             return w
         return prepare
+
+    def grouped(w: QuantizedWeight) -> np.ndarray:
+        # Dequantized once per weight, not at every call, and laid out so that each group's slice is
+        # contiguous: at the 7B shape one down projection is 68 M weights, and a 29-token call took 0.37 s
+        # on 2 cores when each call dequantized it (0.13 s now), on every step of a layer case.
+        if id(w) not in groups:
+            wf = get_format(w.format).dequantize(hosts[id(w)][1]).astype(np.float32, copy=False)
+            g = -(-w.in_features // 128)
+            padded = np.zeros((w.out_features, g * 128), np.float32)
+            padded[:, :w.in_features] = wf
+            groups[id(w)] = np.ascontiguousarray(padded.reshape(w.out_features, g, 128).transpose(1, 2, 0))
+        return groups[id(w)]
 
     def op_make(original):
         def op(x, w: QuantizedWeight, residual):
             if not active() or id(w) not in hosts:
                 return original(x, w, residual)
-            wf = get_format(w.format).dequantize(hosts[id(w)][1])
-            xf = _host(backend, x).astype(np.float16)
+            wg = grouped(w)
+            xf = np.zeros((x.shape[0], wg.shape[0] * 128), np.float32)
+            xf[:, :w.in_features] = _host(backend, x).astype(np.float16)
             acc = np.zeros((xf.shape[0], w.out_features), np.float16)
-            for g in range(0, w.in_features, 128):  # partial sums rounded to fp16 after every group
-                acc = (acc.astype(np.float32) + xf[:, g:g + 128].astype(np.float32) @ wf[:, g:g + 128].T).astype(np.float16)
+            for g in range(wg.shape[0]):  # partial sums rounded to fp16 after every group
+                acc = (acc.astype(np.float32) + xf[:, g * 128:(g + 1) * 128] @ wg[g]).astype(np.float16)
             r = _host(backend, residual) + acc.astype(np.float32)
             residual[...] = backend.asarray(r)
         return op
