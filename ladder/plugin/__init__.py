@@ -65,6 +65,8 @@ MARKERS = {
     "gpu": "needs a CUDA GPU (skipped with a reason elsewhere)",
     "same_worker": "same_worker(*params): the cases of this test that share these parameters run on one "
                    "pytest-xdist worker, one after the other (they share something costly to build)",
+    "long": "a case of ten seconds or more on the machine it is meant for: collected first, so that a worker "
+            "starts it while the others share the short cases, instead of it ending its rung alone",
 }
 
 
@@ -298,6 +300,10 @@ def pytest_collection_modifyitems(config, items):
         if dropped:
             config.hook.pytest_deselected(items=dropped)
         items[:] = kept
+    # The long cases first (a stable sort: the others keep their order). pytest-xdist hands out the cases in
+    # collection order, so each long one starts on a worker at the rung's start, and the rung's wall time
+    # is its longest case or its share of the rest, whichever is more, not the two summed at its end.
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
     formats = selected_formats(config)
     for item in items:
         rung = _rung_of(item)

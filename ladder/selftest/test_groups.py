@@ -97,6 +97,26 @@ def test_same_worker_keeps_a_weight_s_decode_and_prefill_cases_on_one_worker(tmp
     assert len(set(got.values())) == 2, got  # and the sixteen pairs spread over both workers
 
 
+def _started(tmp_path: Path, *args: str) -> list[tuple[str, str]]:
+    """(test name, worker) in the order the cases started, from a two-worker run."""
+    log = tmp_path / "workers.tsv"
+    r = _two_workers(tmp_path, "worker_log", WORKER_LOG, *args, NANOQWEN_WORKER_LOG=str(log))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    return [(nodeid.split("::", 1)[1], worker) for nodeid, worker in (line.split("\t") for line in log.read_text().splitlines())]
+
+
+@skip_inside_nested_run
+def test_a_long_case_starts_with_the_rung_not_at_its_end(tmp_path):
+    # test_gpu_references.py's two cases are marked long (here they skip at once: no GPU is needed to see
+    # where the scheduler puts them); collected in file order they would start after test_kv_cache.py's
+    started = _started(tmp_path, str(REPO / "ladder" / "unit" / "test_kv_cache.py"),
+                       str(REPO / "ladder" / "unit" / "test_gpu_references.py"), "--backend", "numpy")
+    names = [name.split("[")[0] for name, _ in started]
+    long_case = "test_the_gpu_references_agree_with_the_host_references_within_the_floor"
+    assert names.count(long_case) == 2 and len(names) >= 7, names
+    assert names[:2] == [long_case, long_case], names  # the two workers' first cases
+
+
 @skip_inside_nested_run
 def test_a_worker_killed_inside_a_group_fails_its_case_and_the_run_ends(tmp_path):
     """pytest-xdist 3.8 requeued a dead worker's finished groups and its crashing case, and the run hung

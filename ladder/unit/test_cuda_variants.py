@@ -132,6 +132,7 @@ def _full_size_weights(backend, fmt, op, in_f, rows):
     return _FULL_SIZE[key]
 
 
+@pytest.mark.long
 @pytest.mark.same_worker("backend_name", "quant_name", "op")  # decode and prefill: one weight, one worker
 @pytest.mark.parametrize("T", (1, 64))  # T varies fastest: a format's two cases of an op run one after the other
 @pytest.mark.parametrize("op", LINEAR_OPS)
@@ -223,6 +224,7 @@ def test_attention_layouts_the_warp_kernel_does_not_hold_take_the_block_kernel(b
             check_attention(backend, op, PagedCase.build(seed=L, L=L, T=T, nq=nq, nkv=nkv, d=d, layout="shuffled"))
 
 
+@pytest.mark.long
 def test_captured_decode_follows_a_wrapped_op_and_its_unwrapping(backend, model_path):
     if not backend.supports_graphs:
         pytest.skip("the backend does not capture graphs")

@@ -47,6 +47,7 @@ def test_missing_golden_says_how_to_create_it(golden_copy):
         golden.load_golden(path, MODEL_CASES[0])
 
 
+@pytest.mark.long
 def test_a_users_model_gets_golden_activations_computed_once_and_kept(tmp_path, monkeypatch):
     """No skip for a model the repository has no golden files of: the reference computes them, keeps them
     under the cache folder, and the next load reads them; a stale kept folder is computed again."""

@@ -41,6 +41,7 @@ def _model(name: str):
     return trained_like_model_file("0.5b")
 
 
+@pytest.mark.long
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["default", "seeded-0.5b"])
 def test_the_gpu_references_agree_with_the_host_references_within_the_floor(name):

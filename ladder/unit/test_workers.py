@@ -23,6 +23,7 @@ def _device_of(a) -> int | None:
     return getattr(dev, "id", None)
 
 
+@pytest.mark.long
 def test_each_worker_keeps_its_arrays_on_its_own_gpu(backend, model_path):
     if not getattr(backend, "needs_device", False):
         pytest.skip(f"backend {backend.name} keeps arrays in host memory: there is no device to pick")
