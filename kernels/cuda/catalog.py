@@ -66,6 +66,18 @@ def launchers() -> dict[str, dict]:
     return found
 
 
+def variant_geometry(variant: str, silu: bool) -> tuple[int, int]:
+    """(threads per block, output rows per block) of a GEMV variant, read from its name: "t<threads>_r<R>"
+    (and "f<threads>_r<R>") owns R accumulator rows (gate/up: R/2 gate and R/2 up rows); "tc_w<warps>_u<U>"
+    owns a 16-row tensor-core tile (gate/up: 8 gate and 8 up rows). The launcher's block and grid come
+    from here; ladder/unit/test_cuda_build.py holds each entry point's `__launch_bounds__` and template
+    arguments to the same name."""
+    if variant.startswith("tc_"):
+        return 32 * int(variant.split("_")[1][1:]), 8 if silu else 16
+    threads, r = (int(v[1:]) for v in variant.split("_"))
+    return threads, r // 2 if silu else r
+
+
 def gemv_kernel_name(prefix: str, op: str, variant: str) -> str:
     """The entry point of `op`'s GEMV in `variant`: <prefix>_<epilogue>_<variant>."""
     return f"{prefix}_{EPILOGUE[op]}_{variant}"

@@ -40,16 +40,6 @@ def blocks(n: int, block: int = _EW_BLOCK, cap: int = 65535) -> int:
     return max(1, min(cap, -(-n // block)))
 
 
-def variant_geometry(variant: str, silu: bool) -> tuple[int, int]:
-    """(threads per block, output rows per block) of a GEMV variant: "t<threads>_r<R>" owns R accumulator
-    rows (gate/up: R/2 gate and R/2 up rows); "tc_w<warps>_u<U>" owns a 16-row tensor-core tile (gate/up:
-    8 gate and 8 up rows)."""
-    if variant.startswith("tc_"):
-        return 32 * int(variant.split("_")[1][1:]), 8 if silu else 16
-    threads, r = (int(v[1:]) for v in variant.split("_"))
-    return threads, r // 2 if silu else r
-
-
 class GemvLinear:
     """A format whose decode path is one GEMV entry point per (op, variant).
 
@@ -101,7 +91,7 @@ class GemvLinear:
         variant = backend.gemv_config[self.name][op]
         if variant not in self.variants:
             raise ValueError(f"gemv_config[{self.name!r}][{op!r}] = {variant!r} is not one of {self.variants}")
-        threads, per_block = variant_geometry(variant, op == "gate_up_silu")
+        threads, per_block = catalog.variant_geometry(variant, op == "gate_up_silu")
         grid = (-(-rows // per_block), x.shape[0])
         kernel = loader.kernels()[catalog.gemv_kernel_name(self.gemv_kernel, op, variant)]
         kernel(grid, (threads,), (x, *self.weight_args(w), *epilogue_args, i32(rows), i32(w.in_features)))

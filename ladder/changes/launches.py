@@ -5,7 +5,10 @@ A *unit* is the smallest piece of kernel code a run can tell apart:
 - numpy: a function of kernels/numpy, `kernels/numpy/attention.py::paged_attention` (the file and
   the name of the code object that ran; a nested function counts under its own name);
 - cuda: an entry point, `kernels/cuda::int4_gemv_bias_f16_t128_r8` (`extern "C" __global__`; names
-  are global across the modules, kernels/cuda/loader.py).
+  are global across the modules, kernels/cuda/loader.py);
+- a source file a case reads as text (`@pytest.mark.reads_source("kernels/cuda/*.cu")`: a check of what
+  the text says, such as an entry point's template arguments against its name), `kernels/cuda/rope.cu::<source>`:
+  every mutant of the file and every change to it runs the case.
 
 While a rung runs with recording on (`--record-launches`), every case gets the units launched in its
 setup, call and teardown, those launched while any fixture it uses was set up (a model built during one
@@ -156,7 +159,7 @@ class CaseLaunches:
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_teardown(self, item, nextitem):
         yield
-        units = self.stack[0] | drain()
+        units = self.stack[0] | drain() | read_sources(item)
         for name in getattr(item, "fixturenames", ()):
             units |= self.by_fixture.get(name, set())
         item.user_properties.append(("nanoqwen_launches", sorted(units)))  # the teardown report carries it
@@ -204,14 +207,36 @@ def split(items, patterns, case_map) -> tuple[list, list]:
 
 
 def patterns_for(rel: str, function: str, root: Path = ROOT) -> list[str]:
-    """The units that run `function` of kernel source `rel` (relative to `root`); [] where none does."""
+    """The units that run `function` of kernel source `rel` (relative to `root`), and the unit of the cases
+    that read `rel` as text (`source_unit`); [] where none does."""
     if rel.startswith(NUMPY_DIR + "/") and rel.endswith(".py"):
-        return [f"{NUMPY_DIR}/*"] if function == "<module>" else [f"{rel}::{function}"]
+        return [f"{NUMPY_DIR}/*"] if function == "<module>" else [f"{rel}::{function}", source_unit(rel)]
     if rel.startswith(CUDA_DIR + "/") and rel.endswith((".cu", ".cuh")):
-        return [f"{CUDA_DIR}::{e}" for e in sorted(cuda_entries_reaching(Path(rel).name, function, root / CUDA_DIR))]
+        entries = sorted(cuda_entries_reaching(Path(rel).name, function, root / CUDA_DIR))
+        return [f"{CUDA_DIR}::{e}" for e in entries] + [source_unit(rel)]
     if rel.startswith(CUDA_DIR + "/"):
-        return [f"{CUDA_DIR}::*"]  # a launcher in Python: anything of the backend may go through it
+        return [f"{CUDA_DIR}::*", source_unit(rel)]  # a launcher in Python: anything of the backend may go through it
     return [EVERYTHING]
+
+
+def source_unit(rel: str) -> str:
+    """The unit of a case marked `reads_source(GLOB...)` for each kernel file its globs name: it launches
+    nothing of the file, it reads its text (an entry point's template arguments against its name), so a
+    mutant or a change anywhere in the file must run it."""
+    return f"{rel}::<source>"
+
+
+def is_source_unit(unit: str) -> bool:
+    return unit.endswith("::<source>")
+
+
+def read_sources(item, root: Path = ROOT) -> set[str]:
+    """The source units of a case's `reads_source` marks (globs relative to the project root)."""
+    units = set()
+    for mark in item.iter_markers("reads_source"):
+        for pattern in mark.args:
+            units.update(source_unit(p.relative_to(root).as_posix()) for p in root.glob(pattern) if p.is_file())
+    return units
 
 
 def cuda_entries_reaching(filename: str, function: str, folder: Path) -> set[str]:

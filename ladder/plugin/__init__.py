@@ -65,6 +65,8 @@ MARKERS = {
     "gpu": "needs a CUDA GPU (skipped with a reason elsewhere)",
     "same_worker": "same_worker(*params): the cases of this test that share these parameters run on one "
                    "pytest-xdist worker, one after the other (they share something costly to build)",
+    "reads_source": "reads_source(*globs): the case reads these kernel sources as text and launches nothing of "
+                    "them; `nanoqwen mutate` and `--changed` run it for a mutant of, or a change to, any of them",
     "long": "a case of ten seconds or more on the machine it is meant for: collected first, so that a worker "
             "starts it while the others share the short cases, instead of it ending its rung alone",
 }

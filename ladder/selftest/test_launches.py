@@ -107,6 +107,27 @@ def test_none():
     assert unit not in got["test_fixture_launches.py::test_none"]
 
 
+@skip_inside_nested_run
+def test_a_case_that_reads_a_kernel_source_is_run_for_every_mutant_of_it(tmp_path):
+    # it launches nothing of rope.cu: only its mark ties it to the file
+    got = _pytest_file(tmp_path, '''
+import pytest
+
+@pytest.mark.reads_source("kernels/cuda/rope.cu")
+def test_reads():
+    pass
+
+def test_other():
+    pass
+''')
+    assert got["test_fixture_launches.py::test_reads"] == ["kernels/cuda/rope.cu::<source>"]
+    assert got["test_fixture_launches.py::test_other"] == []
+    for function in ("rope_kv_write_f16", "<file>"):  # a mutant inside an entry point, and outside every function
+        patterns = launches.patterns_for("kernels/cuda/rope.cu", function)
+        assert launches.select(got, patterns) == ["test_fixture_launches.py::test_reads"], patterns
+    assert launches.select(got, launches.patterns_for("kernels/cuda/rmsnorm.cu", "<file>")) == []
+
+
 # --- reading the map ---------------------------------------------------------------------------------
 
 
@@ -121,9 +142,10 @@ def test_launching_keeps_the_matching_cases_and_those_the_map_does_not_know():
 
 
 def test_a_numpy_function_is_its_own_unit_and_module_code_widens_to_the_backend():
-    assert launches.patterns_for("kernels/numpy/attention.py", "paged_attention") == ["kernels/numpy/attention.py::paged_attention"]
+    assert launches.patterns_for("kernels/numpy/attention.py", "paged_attention") == [
+        "kernels/numpy/attention.py::paged_attention", "kernels/numpy/attention.py::<source>"]
     assert launches.patterns_for("kernels/numpy/linear.py", "<module>") == ["kernels/numpy/*"]
-    assert launches.patterns_for("kernels/cuda/linear.py", "anything") == ["kernels/cuda::*"]
+    assert launches.patterns_for("kernels/cuda/linear.py", "anything") == ["kernels/cuda::*", "kernels/cuda/linear.py::<source>"]
     assert launches.patterns_for("kernels/base.py", "anything") == [launches.EVERYTHING]
 
 
@@ -171,7 +193,8 @@ def test_every_cuda_mutant_of_the_kernels_is_reached_by_some_entry_point():
     from ladder.tools.mutate import DEFAULT_FILES, all_mutants, kernel_files
 
     functions = {(m.file, m.function) for m in all_mutants(kernel_files(DEFAULT_FILES["cuda"]))}
-    unreached = sorted(f for f in functions if not launches.patterns_for(*f))
+    unreached = sorted(f for f in functions
+                       if not [p for p in launches.patterns_for(*f) if not launches.is_source_unit(p)])
     assert not unreached, f"functions no entry point reaches (dead code, or a reading that is too narrow): {unreached}"
 
 
@@ -215,7 +238,8 @@ def test_changed_reads_functions_from_the_diff_and_runs_everything_outside_the_k
     att = project_repo / "kernels" / "numpy" / "attention.py"
     att.write_text(att.read_text().replace("    T, nq, d = q.shape", "    T, nq, d = q.shape  # shape\n    _ = 0", 1))
     patterns, what = launches.changed_patterns("HEAD", project_repo)
-    assert patterns == ["kernels/numpy/attention.py::paged_attention"] and what == ["kernels/numpy/attention.py::paged_attention"]
+    assert patterns == ["kernels/numpy/attention.py::<source>", "kernels/numpy/attention.py::paged_attention"], patterns
+    assert what == ["kernels/numpy/attention.py::paged_attention"]
     (project_repo / "docs").mkdir()
     (project_repo / "docs" / "notes.txt").write_text("a note\n")  # documentation changes no case
     assert launches.changed_patterns("HEAD", project_repo)[0] == patterns

@@ -51,7 +51,7 @@ import time
 from pathlib import Path
 
 from engine.errors import NanoqwenError
-from ladder.changes.launches import patterns_for, select
+from ladder.changes.launches import is_source_unit, patterns_for, select
 from ladder.tools.mutate_report import _pct, compare, markdown, regressions, summarize
 from ladder.tools.mutants import Mutant, compiles, mutants_of
 
@@ -243,6 +243,10 @@ class Worker:
         cases = sum(len(ids) for _, ids in plan)
         if not cases:  # no case of the selected rungs runs this code: nothing could see the mutant
             return {"outcome": "not_launched", "rung": None, "seconds": 0.0, "cases": 0}
+        # Cases that read the file as text (`reads_source`) run for every mutant of it: one of them failing
+        # kills the mutant; when they alone reach it and pass, no case ran the code: not launched, as before.
+        runs_code = [p for p in patterns_for(m.file, m.function, ROOT) if not is_source_unit(p)]
+        launched = any(select(self.maps.get(rung, {}), runs_code) for rung in self.rungs)
         if self.server is None or self.server.poll() is not None:
             self._start()  # before the mutant is written: the canary runs on the unmutated copy
         path.write_text(mutated)
@@ -255,7 +259,8 @@ class Worker:
                 if outcome != "passed":
                     rec = {"outcome": outcome, "rung": rung, "seconds": round(time.perf_counter() - t0, 2), "cases": cases}
                     return {**rec, "hung": hung} if hung else rec
-            return {"outcome": "survived", "rung": None, "seconds": round(time.perf_counter() - t0, 2), "cases": cases}
+            outcome = "survived" if launched else "not_launched"
+            return {"outcome": outcome, "rung": None, "seconds": round(time.perf_counter() - t0, 2), "cases": cases}
         finally:
             path.write_text(original)
 

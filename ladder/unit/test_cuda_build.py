@@ -56,6 +56,7 @@ def test_every_format_has_a_cuda_launcher():
         "every format of engine/formats needs kernels/cuda/<format>.py with LINEAR (and nothing else assigns LINEAR)"
 
 
+@pytest.mark.reads_source("kernels/cuda/*.cu", "kernels/cuda/*.py")
 @pytest.mark.parametrize("fmt", sorted(CATALOG.launchers()))
 def test_every_shipped_gemv_variant_is_an_entry_point_of_its_format(fmt):
     info = CATALOG.launchers()[fmt]
@@ -65,6 +66,65 @@ def test_every_shipped_gemv_variant_is_an_entry_point_of_its_format(fmt):
                for v in info["variants"] for op in CATALOG.LINEAR_OPS
                if CATALOG.gemv_kernel_name(info["gemv_kernel"], op, v) not in names]
     assert not missing, f"{fmt}.cu lacks the GEMV entry points its launcher names: {missing}"
+
+
+# An entry point: `extern "C" __global__ void [__launch_bounds__(N)] NAME(params) { TEMPLATE<ARGS>(...`.
+_ENTRY = re.compile(r'extern "C" __global__ void\s+(?:__launch_bounds__\((\d+)\)\s+)?(\w+)\s*\([^)]*\)\s*\{\s*'
+                    r'(\w+)<([^>]*)>\s*\(', re.S)
+
+
+def _entry_points(module: str) -> dict[str, tuple[int | None, str, list[str]]]:
+    """name -> (launch bounds or None, the template it calls, that call's template arguments)."""
+    text = (CUDA_DIR / f"{module}.cu").read_text()
+    return {m[2]: (int(m[1]) if m[1] else None, m[3], [a.strip() for a in m[4].split(",")])
+            for m in _ENTRY.finditer(text)}
+
+
+def _promised(variant: str) -> tuple[int, tuple[int, int]]:
+    """What a variant's name promises, read here on its own: (threads per block, the two numbers of the
+    name as the kernel template takes them): t<threads>_r<R> and f<threads>_r<R> -> (threads, (threads, R));
+    tc_w<warps>_u<U> -> (32 x warps, (warps, U))."""
+    m = re.fullmatch(r"(?:[tf](\d+)_r(\d+)|tc_w(\d+)_u(\d+))", variant)
+    assert m, f"variant {variant!r} is not t<threads>_r<R>, f<threads>_r<R> or tc_w<warps>_u<U>"
+    if m[1]:
+        return int(m[1]), (int(m[1]), int(m[2]))
+    return 32 * int(m[3]), (int(m[3]), int(m[4]))
+
+
+@pytest.mark.reads_source("kernels/cuda/*.cu", "kernels/cuda/*.py")
+@pytest.mark.parametrize("fmt", sorted(CATALOG.launchers()))
+def test_each_gemv_entry_point_is_built_as_its_name_promises(fmt):
+    """Threads and rows per block come from a variant's name, at launch (catalog.variant_geometry) and in
+    the entry point's `__launch_bounds__` and template arguments: all three must agree. A block launched
+    with more threads than its bounds fails to launch; a template with other threads or rows than the
+    launch computes rows the grid does not cover, or covers some twice, and only some shapes show it."""
+    info = CATALOG.launchers()[fmt]
+    entries = _entry_points(fmt)
+    for variant in info["variants"]:
+        threads, numbers = _promised(variant)
+        for op in CATALOG.LINEAR_OPS:
+            name = CATALOG.gemv_kernel_name(info["gemv_kernel"], op, variant)
+            assert name in entries, f"{fmt}.cu: no entry point {name} calling a template (the parse found {sorted(entries)[:4]}...)"
+            bounds, template, args = entries[name]
+            assert CATALOG.variant_geometry(variant, op == "gate_up_silu")[0] == threads, (
+                f"kernels/cuda/catalog.py variant_geometry launches {variant} with other than {threads} threads")
+            assert bounds == threads, f"{fmt}.cu {name}: __launch_bounds__({bounds}), its name promises {threads} threads"
+            epi = "EPI_" + CATALOG.EPILOGUE[op].upper()
+            assert epi in args, f"{fmt}.cu {name}: {template}<{', '.join(args)}> has not the epilogue {epi} its name says"
+            after = args[args.index(epi) + 1:]
+            assert [int(a) for a in after] == list(numbers), (
+                f"{fmt}.cu {name}: {template}<{', '.join(args)}> takes {', '.join(after)} after the epilogue, "
+                f"its name promises {numbers[0]}, {numbers[1]}")
+
+
+def test_the_entry_point_parse_reads_every_bounded_entry_point():
+    """The parse above must not quietly find nothing: every `__launch_bounds__` entry point of the GEMV
+    modules calls one template, and the parse reads each of them."""
+    for fmt in CATALOG.launchers():
+        text = (CUDA_DIR / f"{fmt}.cu").read_text()
+        bounded = re.findall(r'extern "C" __global__ void\s+__launch_bounds__\(\d+\)\s+(\w+)', text)
+        parsed = _entry_points(fmt)
+        assert bounded and all(name in parsed for name in bounded), sorted(set(bounded) - set(parsed))
 
 
 @pytest.mark.parametrize("module", LOADER.MODULES)
