@@ -2,6 +2,13 @@
 
 Outputs start filled with a sentinel (NaN for floats, a negative value for ints): an element the op
 never writes stays NaN, and `assert_close` fails on NaN anywhere.
+
+Outputs sit between guard bands (`sentinel`, `guarded`): each is a view into the middle of a larger
+buffer, with GUARD_BYTES of a canary byte pattern on either side, and `host` checks the canaries when it
+reads the output back. A write one past an output's last row, or one before its first, changes no value a
+check compares; it changes the canary, and the case fails naming the side and the distance. The band is
+a multiple of 256 bytes, so the output keeps the alignment a fresh allocation has (the GEMV kernels'
+16-byte loads and stores, cupy's 256-byte pool blocks).
 """
 
 from __future__ import annotations
@@ -14,9 +21,48 @@ import numpy as np
 INT_SENTINEL = -7777
 
 
+GUARD_BYTES = 512
+CANARY = 0xA5  # each guard byte; as fp16 -0.0227, fp32 -2.9e-16, int32 -1515870811: no op's likely output
+_GUARDED: dict[int, tuple] = {}  # id(output view) -> (the view, its whole buffer, the band in elements)
+_MAX_GUARDED = 64  # outputs whose bands are not yet checked (a check that never reads one back leaks none)
+
+
 def sentinel(backend, shape, dtype):
+    """An output filled with the sentinel, between guard bands."""
     dtype = np.dtype(dtype)
-    return backend.full(shape, np.nan if dtype.kind == "f" else INT_SENTINEL, dtype)
+    return guarded(backend, np.full(shape, np.nan if dtype.kind == "f" else INT_SENTINEL, dtype))
+
+
+def guarded(backend, a: np.ndarray):
+    """The backend's copy of host array `a` (an output, or a buffer an op updates in place) between guard
+    bands, checked by `host` when it is read back."""
+    a = np.ascontiguousarray(a)
+    band = GUARD_BYTES // a.itemsize
+    buf = np.frombuffer(bytes([CANARY]) * ((a.size + 2 * band) * a.itemsize), dtype=a.dtype).copy()
+    buf[band:band + a.size] = a.reshape(-1)
+    whole = backend.asarray(buf)
+    view = whole[band:band + a.size].reshape(a.shape)
+    if len(_GUARDED) >= _MAX_GUARDED:
+        _GUARDED.pop(next(iter(_GUARDED)))
+    _GUARDED[id(view)] = (view, whole, band)
+    return view
+
+
+def check_guards(backend, a) -> None:
+    """Fail if an op wrote into the guard bands around output `a` (a no-op for an unguarded array)."""
+    entry = _GUARDED.get(id(a))
+    if entry is None or entry[0] is not a:
+        return
+    _, whole, band = entry
+    raw = np.array(backend.to_numpy(whole), copy=True).view(np.uint8)
+    width = band * whole.dtype.itemsize
+    for side, part in (("before its first element", raw[:width][::-1]), ("past its last element", raw[-width:])):
+        changed = np.flatnonzero(part != CANARY)
+        if changed.size:
+            raise AssertionError(
+                f"an op wrote outside its output: {changed.size} of the {width} guard bytes {side} changed, the "
+                f"nearest {changed[0]} bytes away (element {changed[0] // whole.dtype.itemsize}; output "
+                f"{tuple(a.shape)} {whole.dtype}): an out-of-bounds write, which the values compared do not show")
 
 
 def dev(backend, *arrays):
@@ -26,7 +72,9 @@ def dev(backend, *arrays):
 
 
 def host(backend, a) -> np.ndarray:
+    """Array `a` on the host, after its guard bands are checked (`guarded`)."""
     backend.synchronize()
+    check_guards(backend, a)
     return np.array(backend.to_numpy(a), copy=True)
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from fixtures.cases import PAGE_BOUNDARY_LENGTHS, PagedCase, fp16, make_page_table, quantizable_weight, rng_for
-from ladder.checks.harness import by_row_blocks, dev, host, quantized, sentinel
+from ladder.checks.harness import by_row_blocks, dev, guarded, host, quantized, sentinel
 from ladder.judges.compare import assert_close, assert_equal
 from reference import ops as ref_ops
 from reference.formats import REF_DEQUANT
@@ -126,7 +126,7 @@ def check_linear_residual(backend, fmt, op, T, in_f, out_f, seed, case="", weigh
     resid = (rng.standard_normal((T, out_f)) * 4).astype(F32)
     ref = resid + ref_ops.ref_linear(x, wref)
     plain = resid + ref_ops.ref_linear(x, wref, dtype=F32)
-    out = dev(backend, resid.copy())
+    out = guarded(backend, resid)
     getattr(backend, op)(dev(backend, x), qw, out)
     assert_close(op, host(backend, out), ref, plain, backend=backend.name,
                  case=f"T={T},in={in_f},out={out_f}{case}", seed=seed)
@@ -276,8 +276,8 @@ def check_decode_advance(backend, next_id, old_id, start, steps, seed):
     """The spec is the op itself (docs/BACKEND.md): ids[0] = next_id[0]; positions[0] += 1, on the device."""
     rng = rng_for(seed)
     picks = [next_id, *rng.integers(0, 2**31 - 1, size=steps - 1)]
-    ids = dev(backend, np.array([old_id], dtype=np.int32))
-    positions = dev(backend, np.array([start], dtype=np.int32))
+    ids = guarded(backend, np.array([old_id], dtype=np.int32))
+    positions = guarded(backend, np.array([start], dtype=np.int32))
     for k, pick in enumerate(picks, 1):
         nxt = dev(backend, np.array([pick], dtype=np.int32))
         backend.decode_advance(nxt, ids, positions)

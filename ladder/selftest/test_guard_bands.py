@@ -1,0 +1,76 @@
+"""Self-test: the guard bands around the unit rung's outputs catch a write outside them.
+
+ladder/checks/harness.py hands every op an output (`sentinel`) or an in-place buffer (`guarded`) that is a
+view into the middle of a larger buffer, with canary bytes on either side, and `host` checks the canaries
+when it reads the output back. These cases plant the writes a kernel's tail block could make (one element
+past the last row, one before the first) on the NumPy backend and hold the harness to naming them; the
+same views go to the CUDA kernels, where the write would come from the kernel itself.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+
+from engine.formats import get_format
+from kernels import get_backend
+from ladder.checks import harness, ops
+
+
+def _flat_beyond(out, before: int = 0, after: int = 0) -> np.ndarray:
+    """A 1-D view of `out` widened by `before` and `after` elements: what a kernel's wrong index reaches."""
+    flat = out.reshape(-1)
+    start = flat.ctypes.data - before * flat.itemsize
+    raw = (ctypes.c_char * ((flat.size + before + after) * flat.itemsize)).from_address(start)
+    return np.frombuffer(raw, dtype=flat.dtype)
+
+
+def test_an_output_keeps_the_alignment_of_a_fresh_allocation_and_its_sentinel():
+    backend = get_backend("numpy")
+    out = harness.sentinel(backend, (3, 5), np.float16)
+    whole = harness._GUARDED[id(out)][1]
+    offset = out.__array_interface__["data"][0] - whole.__array_interface__["data"][0]
+    assert offset == harness.GUARD_BYTES and offset % 256 == 0
+    assert out.shape == (3, 5) and out.flags.c_contiguous and np.isnan(out).all()
+    harness.host(backend, out)  # untouched bands pass
+
+
+@pytest.mark.parametrize("side,before,after,words", [("past its last element", 0, 1, "0 bytes away"),
+                                                     ("before its first element", 1, 0, "0 bytes away")])
+def test_a_write_just_outside_an_output_fails_naming_the_side(side, before, after, words):
+    backend = get_backend("numpy")
+    out = harness.sentinel(backend, (4, 8), np.float32)
+    out[...] = 1.0
+    wide = _flat_beyond(out, before, after)
+    wide[0 if before else -1] = 2.0
+    with pytest.raises(AssertionError, match=f"{side}.*{words}"):
+        harness.host(backend, out)
+
+
+def test_an_op_that_writes_one_row_past_its_output_fails_its_check():
+    """qkv_proj that writes a correct result, then one more row: every value the check compares is right."""
+    backend = get_backend("numpy")
+    original = backend.qkv_proj
+
+    def overrun(x, w, bias, out):
+        original(x, w, bias, out)
+        _flat_beyond(out, after=out.shape[1])[-out.shape[1]:] = out[-1]
+
+    backend.qkv_proj = overrun
+    with pytest.raises(AssertionError, match="past its last element"):
+        ops.check_qkv_proj(backend, get_format("int4_sym_g128"), **ops.check_qkv_proj.examples[0])
+
+
+def test_an_in_place_buffer_is_guarded_too():
+    backend = get_backend("numpy")
+    original = backend.o_proj_residual
+
+    def underrun(x, w, residual):
+        original(x, w, residual)
+        _flat_beyond(residual, before=1)[0] = 0.0
+
+    backend.o_proj_residual = underrun
+    with pytest.raises(AssertionError, match="before its first element"):
+        ops.check_o_proj_residual(backend, get_format("int4_sym_g128"), **ops.check_o_proj_residual.examples[0])
