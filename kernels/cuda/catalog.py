@@ -8,6 +8,8 @@ plain literals:
   rows per block) or "tc_w8_u4" (tensor cores: warps per block, groups per load batch);
 - `DEFAULT_CONFIG`: op -> variant, for each of the four quantized ops;
 - `GEMV_KERNEL`: the prefix of its GEMV entry points, `<GEMV_KERNEL>_<epilogue>_<variant>`;
+- `CHUNK_INPUTS`: the inputs of one 16-byte weight load (32 for 4-bit weights, 16 for 8-bit ones), the
+  step of the CUDA-core variants' thread loop (`loop_stride`);
 - optionally `PREFILL_VARIANTS`: its prefill kernels, when it ships more than one.
 
 The backend (kernels/cuda/__init__.py) imports every launcher this lists; the CPU-side tests
@@ -25,7 +27,7 @@ LINEAR_OPS = ("qkv_proj", "o_proj_residual", "gate_up_silu", "down_residual")
 # The epilogue fused into each op's GEMV, by its entry-point name part (common.cuh's EPI_*).
 EPILOGUE = {"qkv_proj": "bias_f16", "o_proj_residual": "residual_f32", "gate_up_silu": "silu_mul_f16",
             "down_residual": "residual_f32"}
-_LITERALS = ("VARIANTS", "DEFAULT_CONFIG", "GEMV_KERNEL")
+_LITERALS = ("VARIANTS", "DEFAULT_CONFIG", "GEMV_KERNEL", "CHUNK_INPUTS")
 
 
 def _read(path: Path) -> dict | None:
@@ -51,7 +53,7 @@ def _read(path: Path) -> dict | None:
         raise LookupError(f"kernels/cuda/{path.name}: DEFAULT_CONFIG must pick one of VARIANTS {variants} "
                           f"for each of {LINEAR_OPS}, got {config}")
     return {"variants": variants, "default_config": config, "gemv_kernel": str(found["gemv_kernel"]),
-            "prefill_variants": prefill}
+            "prefill_variants": prefill, "chunk_inputs": int(found["chunk_inputs"])}
 
 
 def launchers() -> dict[str, dict]:
@@ -76,6 +78,17 @@ def variant_geometry(variant: str, silu: bool) -> tuple[int, int]:
         return 32 * int(variant.split("_")[1][1:]), 8 if silu else 16
     threads, r = (int(v[1:]) for v in variant.split("_"))
     return threads, r // 2 if silu else r
+
+
+def loop_stride(variant: str, chunk_inputs: int) -> int:
+    """The inputs one pass of a block's loop covers, read from the variant's name: "t<threads>_r<R>" and
+    "f<threads>_r<R>": thread i takes the 16-byte loads i, i + threads, ... (`chunk_inputs` each);
+    "tc_w<warps>_u<U>": warp w takes the 128-groups w U .. w U + U - 1, then steps warps x U groups. An
+    input count past one stride makes the loop wrap; the unit rung draws on either side of it."""
+    if variant.startswith("tc_"):
+        warps, batch = (int(v[1:]) for v in variant.split("_")[1:])
+        return warps * batch * 128
+    return int(variant.split("_")[0][1:]) * chunk_inputs
 
 
 def gemv_kernel_name(prefix: str, op: str, variant: str) -> str:

@@ -20,6 +20,8 @@ from kernels.cuda.linear import DequantLinear
 GROUP = 128
 MAGIC = 0x6400  # fp16 1024.0: 0x6400 | z is the fp16 number 1024 + z
 GEMV_KERNEL = "int4_asym_g128_gemv"
+CHUNK_INPUTS = 32  # inputs of one 16-byte weight load (4-bit weights): the step of the CUDA-core
+# variants' thread loop (thread i takes loads i, i + threads, ...); catalog.loop_stride reads it
 VARIANTS = ("t64_r4", "t128_r4", "t128_r8", "t256_r8", "tc_w4_u4", "tc_w8_u4", "tc_w8_u2")
 # the fastest correct variant per op on an H200 (python -m bench.format_gemv --all-variants, bench/NOTES.md)
 DEFAULT_CONFIG = {"qkv_proj": "tc_w8_u2", "o_proj_residual": "t128_r4", "gate_up_silu": "tc_w8_u2",

@@ -32,6 +32,8 @@ DEFAULT_PREFILL = "auto"
 # at 512 and 4% at 8192, the two within 2% of each other at 2048
 PIPE_FROM_TOKENS = 512
 GEMV_KERNEL = "int4_gemv"
+CHUNK_INPUTS = 32  # inputs of one 16-byte weight load (4-bit weights): the step of the CUDA-core
+# variants' thread loop (thread i takes loads i, i + threads, ...); catalog.loop_stride reads it
 VARIANTS = ("t64_r4", "t128_r4", "t128_r8", "t256_r8", "tc_w4_u4", "tc_w8_u4", "tc_w8_u2", "f64_r4", "f128_r4",
             "f128_r8", "f256_r8")
 # the fastest per op in the bench sweep on an H200 (bench/NOTES.md, v2); `nanoqwen bench` re-picks on its machine

@@ -14,6 +14,8 @@ from kernels.cuda.linear import DequantLinear
 
 LOAD = 16  # weights per 16-byte load
 GEMV_KERNEL = "int8_sym_channel_gemv"
+CHUNK_INPUTS = 16  # inputs of one 16-byte weight load (8-bit weights): the step of the CUDA-core
+# variants' thread loop (thread i takes loads i, i + threads, ...); catalog.loop_stride reads it
 VARIANTS = ("t64_r4", "t128_r4", "t128_r8", "t256_r8")
 # the fastest correct variant per op on an H200 (python -m bench.format_gemv --all-variants, bench/NOTES.md)
 DEFAULT_CONFIG = {"qkv_proj": "t128_r4", "o_proj_residual": "t128_r4", "gate_up_silu": "t64_r4",

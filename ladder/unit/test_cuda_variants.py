@@ -5,7 +5,9 @@
   row counts below, on and one past each variant's rows per block, and on inputs of 1, 2, 5 and 37
   128-groups (one group, a partial load batch, several batches); a format that reads rows in 16-byte
   chunks of 16 weights also on 1, 3, 129 and 257 chunks (one chunk, fewer chunks than threads, one past
-  128 and 256 threads' worth). The cases are the pairs (format, variant) of the formats `--quant`
+  128 and 256 threads' worth); and on the variant's own edges, derived from its constants in the catalog
+  (`_edges`: inputs short of, on and past one and two strides of its loop, rows short of, on and past
+  its rows per block). The cases are the pairs (format, variant) of the formats `--quant`
   selects. A backend without a `gemv_config` (one GEMV per op, nothing to pick) skips them with that
   reason.
 - The prefill path (T above `gemv_max_tokens`) at its tile edges: T and rows on, below and past the
@@ -38,7 +40,8 @@ from ladder.checks.ops import (check_attention, check_gate_up_silu, check_linear
 
 # kernels/cuda/catalog.py's launchers (format -> variants, default config), read by file path: the package
 # kernels.cuda imports CuPy, and the cases are collected (and skip with a reason) where CuPy is missing
-LAUNCHERS = cuda_module("catalog").launchers()
+CATALOG = cuda_module("catalog")
+LAUNCHERS = CATALOG.launchers()
 LINEAR_OPS = ("qkv_proj", "o_proj_residual", "gate_up_silu", "down_residual")
 GROUPS = (1, 2, 5, 37)  # input features in 128-groups: one, two, a partial batch, several batches
 CHUNKS = (1, 3, 129, 257)  # input features in 16-weight chunks, for formats read 16 weights at a time
@@ -59,6 +62,19 @@ def _in_features(fmt) -> list[int]:
     if fmt.in_multiple < 128:
         sizes |= {fmt.in_multiple * c for c in CHUNKS}
     return sorted(sizes)
+
+
+def _edges(fmt, variant: str, silu: bool) -> list[tuple[int, int]]:
+    """(inputs, rows) on a variant's own edges, derived from its tiling constants (kernels/cuda/catalog.py):
+    inputs below, on and past one stride of its loop (`loop_stride`: threads x the inputs of a 16-byte
+    load, or warps x groups per batch x 128) and past two, so the loop runs short, exactly once, wraps, and
+    wraps twice; rows below, on and past its rows per block (`variant_geometry`) and past two blocks. A new
+    variant, or a launcher's new constant, gets its edges here without a list."""
+    stride = CATALOG.loop_stride(variant, LAUNCHERS[fmt.name]["chunk_inputs"])
+    step = fmt.in_multiple
+    per_block = CATALOG.variant_geometry(variant, silu)[1]
+    pairs = [(n, per_block + 1) for n in (stride - step, stride, stride + step, 2 * stride + step) if n >= step]
+    return pairs + [(stride + step, r) for r in (per_block - 1, per_block, 2 * per_block + 1) if r >= 1]
 
 
 def _check_linear(backend, fmt, op, T, in_f, rows, seed, case="", weights=None):
@@ -86,6 +102,8 @@ def test_gemv_variant_matches_reference_at_every_tile_edge(backend, format_varia
         for in_f in _in_features(fmt):
             for rows in SILU_ROWS if op == "gate_up_silu" else ROWS:
                 _check_linear(backend, fmt, op, 1, in_f, rows, seed=in_f * 1000 + rows, case=f",variant={variant}")
+        for in_f, rows in _edges(fmt, variant, op == "gate_up_silu"):
+            _check_linear(backend, fmt, op, 1, in_f, rows, seed=in_f * 1000 + rows, case=f",variant={variant},edge")
     finally:
         config[op] = saved
 
