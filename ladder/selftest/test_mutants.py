@@ -18,7 +18,7 @@ import pytest
 
 from ladder.tools.mutants import Mutant, compiles, cuda_mutants, mutants_of, python_mutants
 from ladder.tools.mutate import DEFAULT_FILES, EQUIVALENT_FILE, ROOT, all_mutants, kernel_files, run, sample
-from ladder.run.nested import child_env, skip_inside_nested_run
+from ladder.run.nested import REPO, child_env, skip_inside_nested_run
 
 KERNEL_FILES = kernel_files(DEFAULT_FILES["numpy"] + DEFAULT_FILES["cuda"])
 
@@ -394,3 +394,19 @@ def test_a_rung_run_past_the_hard_stop_is_not_run_and_never_reaches_the_server()
     w.server = None  # asking it would fail: the hard stop answers first
     w.stop_at = time.perf_counter() - 1.0
     assert w._ask("unit", ["ladder/unit/test_ops.py::x"]) == ("not_run", None)
+
+
+@skip_inside_nested_run
+def test_under_mutate_a_red_block_fails_at_its_first_assertion_without_the_culprit_search():
+    """mutate's children run with NANOQWEN_NAME_CULPRIT=0: a red block is the kill, and the float64 search for
+    the op inside it (minutes at the 7B shape, where the watchdog would call it a hang) does not run."""
+    base = [sys.executable, "-m", "pytest", str(REPO / "ladder" / "layer" / "test_layer.py"), "-q", "-p", "ladder.plugin",
+            "-c", "/dev/null", "--rootdir", str(REPO), "--confcutdir", str(REPO), "-p", "no:cacheprovider",
+            "-p", "no:xdist", "--backend", "numpy", "--quant", "int4_sym_g128", "--plant-fault", "nibble_swap",
+            "-k", "other_head_layouts and mha-d64"]
+    named = subprocess.run(base, cwd=REPO, capture_output=True, text=True, env=child_env("numpy"), timeout=600)
+    quiet = subprocess.run(base, cwd=REPO, capture_output=True, text=True, timeout=600,
+                           env=child_env("numpy", NANOQWEN_NAME_CULPRIT="0"))
+    assert named.returncode == 1 and quiet.returncode == 1, named.stdout[-1500:] + quiet.stdout[-1500:]
+    assert "the first op over its bound inside the block is qkv_proj" in named.stdout, named.stdout[-2000:]
+    assert "first op over its bound" not in quiet.stdout and "NANOQWEN_NAME_CULPRIT=0" in quiet.stdout, quiet.stdout[-2000:]

@@ -188,8 +188,11 @@ class Worker:
                 shutil.copy2(src, self.dir / name)
         self.backend, self.rungs, self.timeout, self.extra, self.maps = backend, rungs, timeout, extra, maps
         self.seconds = seconds  # rung -> node id -> its seconds in the clean run (the automatic timeout)
+        # NANOQWEN_NAME_CULPRIT=0: a red block is a killed mutant at its first failing assertion; the
+        # search that names the op inside it (float64 op references: minutes at the 7B shape) would only
+        # make a kill look like a hang to the watchdog (ladder/checks/block.py).
         self.env = {**env, "PYTHONPATH": str(self.dir), "PYTHONDONTWRITEBYTECODE": "1",
-                    "HYPOTHESIS_STORAGE_DIRECTORY": str(self.dir / ".hypothesis")}
+                    "HYPOTHESIS_STORAGE_DIRECTORY": str(self.dir / ".hypothesis"), "NANOQWEN_NAME_CULPRIT": "0"}
         self.log = self.dir / "rung.log"
         self.server = None
         self.stop_at = None  # perf_counter time of the run's hard stop (--budget), if any
