@@ -9,7 +9,8 @@ First the planted kernels must be flagged, or the script fails (a blind sanitize
     read of a value another warp wrote with no barrier between them (racecheck);
   - `planted_uninit`: a read of device memory nothing wrote (initcheck).
 Then every op of the backend at small shapes (`run_ops`: the quantized linears' GEMV and prefill paths in
-every format the backend has a launcher for, each GEMV in its default variant; split-K attention with
+every format the backend has a launcher for, each GEMV in its default variant and then every variant at
+its tail shape, where its loop wraps and its last block holds one row; split-K attention with
 NaN-filled free pages, RoPE page writes, embed, rmsnorm, lm_head, argmax, decode_advance), through the
 unit rung's op checks (ladder/checks/ops.py, against reference/) on explicit inputs, must run with no
 error and pass under each tool. Neither pytest nor Hypothesis is needed.
@@ -126,6 +127,7 @@ def run_ops(be, say=lambda line: print(line, flush=True)) -> None:
             ops.check_linear_residual(be, fmt, "o_proj_residual", T, 256, 128, seed=1)
             ops.check_gate_up_silu(be, fmt, T, 128, 40, seed=1)
             ops.check_linear_residual(be, fmt, "down_residual", T, 256, 136, seed=1)
+        run_gemv_tails(be, fmt, say)
     on_examples(ops.check_rope_kv_write, dict(T=20, start=8190, nkv=4, ratio=2, d=64, theta=1e4, layout="sparse", seed=3))
     for nq, nkv, d in ((2, 2, 64), (14, 2, 128)):
         for L, T in ((17, 1), (17, 17)):
@@ -137,6 +139,38 @@ def run_ops(be, say=lambda line: print(line, flush=True)) -> None:
     on_examples(ops.check_lm_head, dict(V=4096, H=256, seed=1))
     on_examples(ops.check_argmax, dict(V=1, ties=0, seed=2), dict(V=2, ties=5, seed=3))
     on_examples(ops.check_decode_advance)
+
+
+def run_gemv_tails(be, fmt, say) -> None:
+    """Every GEMV variant of `fmt`, not only the default, at its tail shape (ladder/checks/edges.py
+    gemv_tail, from the variant's loop stride and rows per block in kernels/cuda/catalog.py): its loop
+    wraps and its last block holds one row, where a read past a weight's last row or a write past an
+    output's is possible. One epilogue of each kind (bias, residual, SiLU x up)."""
+    config = getattr(be, "gemv_config", {}).get(fmt.name)
+    if config is None:  # a backend with one GEMV per op: nothing to choose
+        return
+    from kernels.cuda import catalog
+    from ladder.checks import ops
+    from ladder.checks.edges import gemv_tail
+
+    info = catalog.launchers()[fmt.name]
+    saved = dict(config)
+    try:
+        for variant in info["variants"]:
+            say(f"SANITIZE-CHILD {fmt.name} GEMV {variant} at its tail")
+            stride = catalog.loop_stride(variant, info["chunk_inputs"])
+            for op in ("qkv_proj", "down_residual", "gate_up_silu"):
+                config[op] = variant
+                in_f, rows = gemv_tail(stride, catalog.variant_geometry(variant, op == "gate_up_silu")[1], fmt.in_multiple)
+                if op == "qkv_proj":
+                    ops.check_qkv_proj(be, fmt, 1, in_f, rows, seed=2)
+                elif op == "gate_up_silu":
+                    ops.check_gate_up_silu(be, fmt, 1, in_f, rows, seed=2)
+                else:
+                    ops.check_linear_residual(be, fmt, op, 1, in_f, rows, seed=2)
+    finally:
+        config.clear()
+        config.update(saved)
 
 
 # ---- the driver --------------------------------------------------------------------------------

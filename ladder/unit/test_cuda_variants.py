@@ -35,6 +35,7 @@ from engine.formats import get_format
 from fixtures.cases import PAGE_BOUNDARY_LENGTHS, PagedCase, quantizable_weight, rng_for
 from ladder.plugin import selected_formats
 from ladder.changes.sources import cuda_module
+from ladder.checks.edges import gemv_edges
 from ladder.checks.ops import (check_attention, check_gate_up_silu, check_linear_residual, check_qkv_proj,
                                quantized_and_read)
 
@@ -65,16 +66,11 @@ def _in_features(fmt) -> list[int]:
 
 
 def _edges(fmt, variant: str, silu: bool) -> list[tuple[int, int]]:
-    """(inputs, rows) on a variant's own edges, derived from its tiling constants (kernels/cuda/catalog.py):
-    inputs below, on and past one stride of its loop (`loop_stride`: threads x the inputs of a 16-byte
-    load, or warps x groups per batch x 128) and past two, so the loop runs short, exactly once, wraps, and
-    wraps twice; rows below, on and past its rows per block (`variant_geometry`) and past two blocks. A new
-    variant, or a launcher's new constant, gets its edges here without a list."""
-    stride = CATALOG.loop_stride(variant, LAUNCHERS[fmt.name]["chunk_inputs"])
-    step = fmt.in_multiple
-    per_block = CATALOG.variant_geometry(variant, silu)[1]
-    pairs = [(n, per_block + 1) for n in (stride - step, stride, stride + step, 2 * stride + step) if n >= step]
-    return pairs + [(stride + step, r) for r in (per_block - 1, per_block, 2 * per_block + 1) if r >= 1]
+    """(inputs, rows) on a variant's own edges (ladder/checks/edges.py), from its tiling constants in the
+    catalog: its loop stride (`loop_stride`: threads x the inputs of a 16-byte load, or warps x groups per
+    batch x 128) and its rows per block (`variant_geometry`)."""
+    return gemv_edges(CATALOG.loop_stride(variant, LAUNCHERS[fmt.name]["chunk_inputs"]),
+                      CATALOG.variant_geometry(variant, silu)[1], fmt.in_multiple)
 
 
 def _check_linear(backend, fmt, op, T, in_f, rows, seed, case="", weights=None):

@@ -1,0 +1,25 @@
+"""Edge shapes derived from a kernel's own tiling constants, not listed by hand.
+
+A GEMV variant's constants (kernels/cuda/catalog.py, read from its name and its launcher) give the stride
+of its loop over the inputs and the rows a block owns; the shapes worth checking are on either side of
+each: a loop that runs short, exactly once, wraps and wraps twice, and a last block that is partial, full,
+or one row into a new block. The unit rung (ladder/unit/test_cuda_variants.py) and the sanitizer script
+(bench/sanitize.py) take their shapes from here, so a new variant or a changed constant gets its edges
+without a new list.
+"""
+
+from __future__ import annotations
+
+
+def gemv_edges(stride: int, per_block: int, step: int) -> list[tuple[int, int]]:
+    """(inputs, rows) pairs at a GEMV variant's edges: inputs short of, on and past one loop `stride`, and
+    past two (each a multiple of `step`, the format's input multiple), with rows one into a second block;
+    then rows short of, on and past `per_block` and past two blocks, with inputs one step past a stride."""
+    pairs = [(n, per_block + 1) for n in (stride - step, stride, stride + step, 2 * stride + step) if n >= step]
+    return pairs + [(stride + step, r) for r in (per_block - 1, per_block, 2 * per_block + 1) if r >= 1]
+
+
+def gemv_tail(stride: int, per_block: int, step: int) -> tuple[int, int]:
+    """The one shape where both edges are passed at once (the loop wraps, the last block holds one row):
+    what a tool that is slow per launch (a sanitizer) runs for every variant."""
+    return stride + step, per_block + 1
