@@ -403,15 +403,18 @@ class RungWatch:
                 + (f"; running: {', '.join(running)}" if running else "") + "); stopped")
 
     def record(self, cmd: list[str], line: str) -> None:
-        """The stall as a failure of the rung's JSON (`--ladder-json`), where the stopped pytest wrote one,
-        so that the report lists it: under the case that had started, or the rung where none had."""
+        """The stall as a failure of the rung's JSON (`--ladder-json`), so that the report lists it: under the
+        case that had started, or the rung where none had. Where the stopped pytest wrote no JSON (SIGKILLed
+        after STOP_GRACE, on a loaded machine) the file holds the stall alone."""
         import shlex
 
         path = next((Path(b) for a, b in zip(cmd, cmd[1:]) if a == "--ladder-json"), None)
+        if path is None:
+            return
         try:
             data = json.loads(path.read_text())
-        except (AttributeError, OSError, ValueError):
-            return
+        except (OSError, ValueError):  # killed before it wrote one (a loaded machine, past STOP_GRACE): the stall alone
+            data = {}
         cases = getattr(self, "cases", [])
         data.setdefault("failures", []).append(
             {"test": ", ".join(cases) or f"rung {self.rung}", "rung": self.rung, "backend": None, "format": None,
