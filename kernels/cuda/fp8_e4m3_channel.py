@@ -18,7 +18,6 @@ import numpy as np
 from kernels.cuda import loader
 from kernels.cuda.linear import DequantLinear, blocks, i32
 
-LOAD = 16  # weights per 16-byte load
 GEMV_KERNEL = "fp8_e4m3_channel_gemv"
 CHUNK_INPUTS = 16  # inputs of one 16-byte weight load (8-bit weights): the step of the CUDA-core
 # variants' thread loop (thread i takes loads i, i + threads, ...); catalog.loop_stride reads it
@@ -45,7 +44,7 @@ class Fp8Linear(DequantLinear):
         return hardware_decode(codes)
 
 
-LINEAR = Fp8Linear("fp8_e4m3_channel", specs=specs, in_multiple=LOAD, gemv_kernel=GEMV_KERNEL, variants=VARIANTS,
+LINEAR = Fp8Linear("fp8_e4m3_channel", specs=specs, in_multiple=CHUNK_INPUTS, gemv_kernel=GEMV_KERNEL, variants=VARIANTS,
                    default_config=DEFAULT_CONFIG, dequant_kernel="fp8_e4m3_channel_dequant_f32",
                    dequant_items=lambda out_f, in_f: out_f * in_f // 2)
 

@@ -12,7 +12,6 @@ import numpy as np
 
 from kernels.cuda.linear import DequantLinear
 
-LOAD = 16  # weights per 16-byte load
 GEMV_KERNEL = "int8_sym_channel_gemv"
 CHUNK_INPUTS = 16  # inputs of one 16-byte weight load (8-bit weights): the step of the CUDA-core
 # variants' thread loop (thread i takes loads i, i + threads, ...); catalog.loop_stride reads it
@@ -26,6 +25,6 @@ def specs(out_features: int, in_features: int) -> dict:
     return {"qweight": (np.int8, (out_features, in_features)), "scales": (np.float16, (out_features,))}
 
 
-LINEAR = DequantLinear("int8_sym_channel", specs=specs, in_multiple=LOAD, gemv_kernel=GEMV_KERNEL, variants=VARIANTS,
+LINEAR = DequantLinear("int8_sym_channel", specs=specs, in_multiple=CHUNK_INPUTS, gemv_kernel=GEMV_KERNEL, variants=VARIANTS,
                        default_config=DEFAULT_CONFIG, dequant_kernel="int8_sym_channel_dequant_f32",
                        dequant_items=lambda out_f, in_f: out_f * in_f)
