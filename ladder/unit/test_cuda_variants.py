@@ -29,10 +29,13 @@ import contextlib
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import engine
 from engine.formats import get_format
 from fixtures.cases import PAGE_BOUNDARY_LENGTHS, PagedCase, quantizable_weight, rng_for
+from fixtures.strategies import edge_strata
 from ladder.plugin import selected_formats
 from ladder.changes.sources import cuda_module
 from ladder.checks.edges import gemv_edges
@@ -100,6 +103,29 @@ def test_gemv_variant_matches_reference_at_every_tile_edge(backend, format_varia
                 _check_linear(backend, fmt, op, 1, in_f, rows, seed=in_f * 1000 + rows, case=f",variant={variant}")
         for in_f, rows in _edges(fmt, variant, op == "gate_up_silu"):
             _check_linear(backend, fmt, op, 1, in_f, rows, seed=in_f * 1000 + rows, case=f",variant={variant},edge")
+    finally:
+        config[op] = saved
+
+
+# A tenth of the profile's examples per (format, variant, op): 2 in the ci profile, 30 in the nightly.
+@pytest.mark.parametrize("op", LINEAR_OPS)
+@settings(max_examples=max(2, settings().max_examples // 10))
+@given(data=st.data())
+def test_gemv_variant_matches_reference_inside_its_edge_strata(backend, format_variant, op, data):
+    """Shapes drawn inside the strata whose boundaries `_edges` checks: a few loop strides and block
+    counts, each just short of, on, just past or anywhere between its edges."""
+    name, variant = format_variant
+    if not hasattr(backend, "gemv_config"):
+        pytest.skip("the backend has no gemv_config: GEMV variants belong to a backend that picks one per op")
+    fmt = get_format(name)
+    silu = op == "gate_up_silu"
+    in_f, rows = data.draw(edge_strata(CATALOG.loop_stride(variant, LAUNCHERS[name]["chunk_inputs"]),
+                                       CATALOG.variant_geometry(variant, silu)[1], fmt.in_multiple), label="inputs, rows")
+    config = backend.gemv_config[name]
+    saved = config[op]
+    config[op] = variant
+    try:
+        _check_linear(backend, fmt, op, 1, in_f, rows, seed=in_f * 1000 + rows, case=f",variant={variant},drawn")
     finally:
         config[op] = saved
 
