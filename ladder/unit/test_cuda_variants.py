@@ -7,9 +7,10 @@
   chunks of 16 weights also on 1, 3, 129 and 257 chunks (one chunk, fewer chunks than threads, one past
   128 and 256 threads' worth); and on the variant's own edges, derived from its constants in the catalog
   (`_edges`: inputs short of, on and past one and two strides of its loop, rows short of, on and past
-  its rows per block). The cases are the pairs (format, variant) of the formats `--quant`
-  selects. A backend without a `gemv_config` (one GEMV per op, nothing to pick) skips them with that
-  reason.
+  its rows per block), and Hypothesis draws more inside those strata (fixtures/strategies.py
+  `edge_strata`; the nightly profile draws fifteen times as many). The cases are the pairs (format,
+  variant) of the formats `--quant` selects. A backend without a `gemv_config` (one GEMV per op,
+  nothing to pick) skips them with that reason.
 - The prefill path (T above `gemv_max_tokens`) at its tile edges: T and rows on, below and past the
   64 x 128 tensor-core tile.
 - The Qwen2.5-Coder-7B shapes of the four ops (decode and a 64-token prefill); every prefill attention
