@@ -159,6 +159,16 @@ def check_gate_up_silu(backend, fmt, T, H, inter, seed, case="", weights=None):
                  case=f"T={T},H={H},I={inter}{case}", seed=seed)
 
 
+def check_linear(backend, fmt, op, T, in_f, rows, seed, case="", weights=None):
+    """One quantized linear `op` at [T, in_f] -> `rows` outputs (gate_up_silu: `rows` = I), by its check."""
+    if op == "qkv_proj":
+        check_qkv_proj(backend, fmt, T, in_f, rows, seed, case, weights)
+    elif op == "gate_up_silu":
+        check_gate_up_silu(backend, fmt, T, in_f, rows, seed, case, weights)
+    else:
+        check_linear_residual(backend, fmt, op, T, in_f, rows, seed, case, weights)
+
+
 # --- RoPE and the KV page write ------------------------------------------------------------------
 
 

@@ -6,7 +6,7 @@
   128-groups (one group, a partial load batch, several batches); a format that reads rows in 16-byte
   chunks of 16 weights also on 1, 3, 129 and 257 chunks (one chunk, fewer chunks than threads, one past
   128 and 256 threads' worth); and on the variant's own edges, derived from its constants in the catalog
-  (`_edges`: inputs short of, on and past one and two strides of its loop, rows short of, on and past
+  (`gemv_edges`: inputs short of, on and past one and two strides of its loop, rows short of, on and past
   its rows per block), and Hypothesis draws more inside those strata (fixtures/strategies.py
   `edge_strata`; the nightly profile draws fifteen times as many). The cases are the pairs (format,
   variant) of the formats `--quant` selects. A backend without a `gemv_config` (one GEMV per op,
@@ -40,8 +40,7 @@ from fixtures.strategies import edge_strata
 from ladder.plugin import selected_formats
 from ladder.changes.sources import cuda_module
 from ladder.checks.edges import gemv_edges
-from ladder.checks.ops import (check_attention, check_gate_up_silu, check_linear_residual, check_qkv_proj,
-                               quantized_and_read)
+from ladder.checks.ops import check_attention, check_linear, quantized_and_read
 
 # kernels/cuda/catalog.py's launchers (format -> variants, default config), read by file path: the package
 # kernels.cuda imports CuPy, and the cases are collected (and skip with a reason) where CuPy is missing
@@ -69,22 +68,24 @@ def _in_features(fmt) -> list[int]:
     return sorted(sizes)
 
 
-def _edges(fmt, variant: str, silu: bool) -> list[tuple[int, int]]:
-    """(inputs, rows) on a variant's own edges (ladder/checks/edges.py), from its tiling constants in the
-    catalog: its loop stride (`loop_stride`: threads x the inputs of a 16-byte load, or warps x groups per
-    batch x 128) and its rows per block (`variant_geometry`)."""
-    return gemv_edges(CATALOG.loop_stride(variant, LAUNCHERS[fmt.name]["chunk_inputs"]),
-                      CATALOG.variant_geometry(variant, silu)[1], fmt.in_multiple)
+def _tiling(fmt, variant: str, silu: bool) -> tuple[int, int, int]:
+    """A variant's tiling constants from the catalog: its loop stride (`loop_stride`: threads x the inputs
+    of a 16-byte load, or warps x groups per batch x 128), its rows per block (`variant_geometry`), and
+    the format's input multiple."""
+    return (CATALOG.loop_stride(variant, LAUNCHERS[fmt.name]["chunk_inputs"]),
+            CATALOG.variant_geometry(variant, silu)[1], fmt.in_multiple)
 
 
-def _check_linear(backend, fmt, op, T, in_f, rows, seed, case="", weights=None):
-    """One quantized linear op at [T, in_f] -> `rows` outputs (gate_up_silu: `rows` = I)."""
-    if op == "qkv_proj":
-        check_qkv_proj(backend, fmt, T, in_f, rows, seed, case, weights)
-    elif op == "gate_up_silu":
-        check_gate_up_silu(backend, fmt, T, in_f, rows, seed, case, weights)
-    else:
-        check_linear_residual(backend, fmt, op, T, in_f, rows, seed, case, weights)
+@contextlib.contextmanager
+def _gemv_variant(backend, name: str, op: str, variant: str):
+    """`op` of format `name` runs GEMV `variant` inside the block; the backend's choice is restored after."""
+    config = backend.gemv_config[name]
+    saved = config[op]
+    config[op] = variant
+    try:
+        yield
+    finally:
+        config[op] = saved
 
 
 @pytest.mark.parametrize("op", LINEAR_OPS)
@@ -95,17 +96,13 @@ def test_gemv_variant_matches_reference_at_every_tile_edge(backend, format_varia
     assert name in backend.gemv_config, f"backend {backend.name} has no GEMV config for format {name}"
     assert backend.gemv_max_tokens >= 1, "T = 1 must take the GEMV path"
     fmt = get_format(name)
-    config = backend.gemv_config[name]
-    saved = config[op]
-    config[op] = variant
-    try:
+    with _gemv_variant(backend, name, op, variant):
         for in_f in _in_features(fmt):
             for rows in SILU_ROWS if op == "gate_up_silu" else ROWS:
-                _check_linear(backend, fmt, op, 1, in_f, rows, seed=in_f * 1000 + rows, case=f",variant={variant}")
-        for in_f, rows in _edges(fmt, variant, op == "gate_up_silu"):
-            _check_linear(backend, fmt, op, 1, in_f, rows, seed=in_f * 1000 + rows, case=f",variant={variant},edge")
-    finally:
-        config[op] = saved
+                check_linear(backend, fmt, op, 1, in_f, rows, seed=in_f * 1000 + rows, case=f",variant={variant}")
+        # the variant's own edges (ladder/checks/edges.py), from its tiling constants
+        for in_f, rows in gemv_edges(*_tiling(fmt, variant, op == "gate_up_silu")):
+            check_linear(backend, fmt, op, 1, in_f, rows, seed=in_f * 1000 + rows, case=f",variant={variant},edge")
 
 
 # A tenth of the profile's examples per (format, variant, op): 2 in the ci profile, 30 in the nightly.
@@ -113,22 +110,15 @@ def test_gemv_variant_matches_reference_at_every_tile_edge(backend, format_varia
 @settings(max_examples=max(2, settings().max_examples // 10))
 @given(data=st.data())
 def test_gemv_variant_matches_reference_inside_its_edge_strata(backend, format_variant, op, data):
-    """Shapes drawn inside the strata whose boundaries `_edges` checks: a few loop strides and block
+    """Shapes drawn inside the strata whose boundaries `gemv_edges` checks: a few loop strides and block
     counts, each just short of, on, just past or anywhere between its edges."""
     name, variant = format_variant
     if not hasattr(backend, "gemv_config"):
         pytest.skip("the backend has no gemv_config: GEMV variants belong to a backend that picks one per op")
     fmt = get_format(name)
-    silu = op == "gate_up_silu"
-    in_f, rows = data.draw(edge_strata(CATALOG.loop_stride(variant, LAUNCHERS[name]["chunk_inputs"]),
-                                       CATALOG.variant_geometry(variant, silu)[1], fmt.in_multiple), label="inputs, rows")
-    config = backend.gemv_config[name]
-    saved = config[op]
-    config[op] = variant
-    try:
-        _check_linear(backend, fmt, op, 1, in_f, rows, seed=in_f * 1000 + rows, case=f",variant={variant},drawn")
-    finally:
-        config[op] = saved
+    in_f, rows = data.draw(edge_strata(*_tiling(fmt, variant, op == "gate_up_silu")), label="inputs, rows")
+    with _gemv_variant(backend, name, op, variant):
+        check_linear(backend, fmt, op, 1, in_f, rows, seed=in_f * 1000 + rows, case=f",variant={variant},drawn")
 
 
 @pytest.mark.parametrize("op", LINEAR_OPS)
@@ -149,7 +139,7 @@ def test_prefill_path_matches_reference_at_every_tile_edge(backend, quant_format
                     continue
                 for in_f in (128, 384, 640) + ((3 * quant_format.in_multiple,) if quant_format.in_multiple < 128 else ()):
                     for rows in ((7, 64, 65, 129) if op == "gate_up_silu" else (8, 127, 128, 129, 257)):
-                        _check_linear(backend, quant_format, op, T, in_f, rows, seed=T * 1000 + rows,
+                        check_linear(backend, quant_format, op, T, in_f, rows, seed=T * 1000 + rows,
                                       case=f",prefill{'=' + variant if variant else ''}")
         finally:
             if variant is not None:
@@ -182,7 +172,7 @@ def test_full_size_linears_match_reference(backend, quant_format, op, T):
         pytest.skip("full-size (7B) shapes run where GEMV variants are tuned; a float64 reference of them is slow on CPU")
     H, I, qkv = 3584, 18944, (28 + 2 * 4) * 128
     in_f, rows = {"qkv_proj": (H, qkv), "o_proj_residual": (28 * 128, H), "gate_up_silu": (H, I), "down_residual": (I, H)}[op]
-    _check_linear(backend, quant_format, op, T, in_f, rows, seed=T, case=",7B",
+    check_linear(backend, quant_format, op, T, in_f, rows, seed=T, case=",7B",
                   weights=_full_size_weights(backend, quant_format, op, in_f, rows))
 
 
