@@ -306,7 +306,6 @@ def pytest_collection_modifyitems(config, items):
     # collection order, so each long one starts on a worker at the rung's start, and the rung's wall time
     # is its longest case or its share of the rest, whichever is more, not the two summed at its end.
     items.sort(key=lambda item: item.get_closest_marker("long") is None)
-    formats = selected_formats(config)
     for item in items:
         rung = _rung_of(item)
         if rung:
@@ -315,9 +314,10 @@ def pytest_collection_modifyitems(config, items):
         name = callspec.params.get("backend_name") if callspec is not None else None
         if name is not None and backend_needs_device(name):
             item.add_marker(pytest.mark.gpu)
-    # With `--dist loadgroup` (nanoqwen ladder passes it) a format's model-bound cases stay on one worker,
-    # which builds its model and reference once; the unit rung's cases spread over every worker (ladder/plugin/groups.py).
-    groups.write_groups(config, items, formats)
+    # With `--dist loadgroup` (nanoqwen ladder passes it) a large model's format's model-bound cases stay on
+    # one worker, which builds its model and reference once; the unit rung's cases, and a small model's,
+    # spread over every worker (ladder/plugin/groups.py).
+    groups.write_groups(config, items)
 
 
 # --- fixtures ------------------------------------------------------------------------------------

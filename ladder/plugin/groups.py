@@ -2,8 +2,10 @@
 
 Two kinds of groups (`group_of`):
 - a format's model-bound cases (those that take `model_path`: the layer and graph rungs') share one worker,
-  which builds that format's model and its HF simulation once instead of at every switch between formats;
-  the other cases (the unit rung's) are free and spread over every worker;
+  which builds that format's model and its HF simulation once instead of at every switch between formats,
+  where the model is large (2 B parameters or more, `small_model`) or the workers
+  are no more than the formats (`by_format`); a small model's cases with workers to spare are free, as are
+  the other cases (the unit rung's): they spread over every worker;
 - a test marked `same_worker(*params)` keeps its cases that share those parameters together (the 7B-shape
   linears' decode and prefill cases share one weight).
 
@@ -33,6 +35,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.errors import NanoqwenError
 from ladder.plugin import liveness
 
 KEY = "nanoqwen_groups"  # the workerinput entry that names the groups folder (and the workers' vital signs)
@@ -45,14 +48,82 @@ KEY = "nanoqwen_groups"  # the workerinput entry that names the groups folder (a
 WORKER_RESTARTS = 1
 
 
-def group_of(item, formats: list[str]) -> str | None:
-    """The group of one collected item, or None for a free case."""
+SPREAD_BELOW = 2_000_000_000  # parameters: below, a model is small (its formats' cases may spread over the workers)
+SPREAD_VARIABLE = "NANOQWEN_SPREAD_BELOW"  # sets it (0: every model counts as large, the grouping of before)
+
+
+def params_of(c: dict) -> tuple[int, int]:
+    """(parameters of the model, of one decoder layer) from its config (HF names), unquantized shapes."""
+    H, I, V, L = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["num_hidden_layers"]
+    d = c.get("head_dim") or H // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
+    layer = H * (q + 2 * kv) + (q + 2 * kv) + q * H + 3 * H * I + 2 * H
+    return int(V * H * (1 if c.get("tie_word_embeddings") else 2) + L * layer + H), int(layer)
+
+
+class SpreadError(NanoqwenError):
+    """NANOQWEN_SPREAD_BELOW set to something other than a count of parameters."""
+
+
+def spread_below() -> int:
+    """SPREAD_BELOW, or NANOQWEN_SPREAD_BELOW (a count of parameters, `2e9` accepted) where set."""
+    text = os.environ.get(SPREAD_VARIABLE, "").strip()
+    if not text:
+        return SPREAD_BELOW
+    try:
+        n = float(text)
+    except ValueError:
+        n = -1.0
+    if not (0 <= n < float("inf")):
+        raise SpreadError(f"{SPREAD_VARIABLE} is {text[:40]!r}; give a count of parameters (0: every model "
+                          f"keeps a format's cases on one worker)")
+    return int(n)
+
+
+def small_model(spec) -> bool:
+    """Whether the model `--model` names (None: the embedded default model, 6.8 M parameters; a Hugging
+    Face folder; a .nanoqwen file) is below spread_below() parameters. One that cannot be read counts as
+    large (its cases keep to one worker per format, the cautious choice); the run says what is wrong with it."""
+    limit = spread_below()
+    if spec is None:
+        return 6_800_000 < limit
+    try:
+        path = Path(spec)
+        if path.is_dir():
+            config = json.loads((path / "config.json").read_text())
+        else:
+            from engine.modelfile import ModelFile
+
+            with ModelFile(path, verify_checksums=False) as mf:
+                config = mf.config_dict
+        return params_of(config)[0] < limit
+    except Exception:  # noqa: BLE001 - unreadable: the cautious choice, and the run reports the model's fault
+        return False
+
+
+def by_format(config) -> bool:
+    """Whether a format's model-bound cases keep to one worker: several formats, of a large model or on no
+    more workers than formats. With one format there is one model. A small one (a 0.5B-shape model's
+    float32 copy is built in 0.6 s) is cheaper to build again at a switch than to leave cores idle, so
+    with more workers than formats (16 workers on one H200's host) its cases spread over every worker,
+    each building what its cases need; with no more (CI's 2 workers, four formats) every worker already
+    has a format to itself, and switching only costs (the default model's graph rung on 2 CPU workers:
+    64 s grouped, 70 s spread). Decided once per session."""
+    if not hasattr(config, "_nanoqwen_by_format"):
+        from ladder.plugin import model_formats
+        formats = len(model_formats(config))
+        workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+        config._nanoqwen_by_format = formats > 1 and (workers <= formats or not small_model(config.getoption("--model")))
+    return config._nanoqwen_by_format
+
+
+def group_of(item, grouped: bool) -> str | None:
+    """The group of one collected item (`grouped`: `by_format`), or None for a free case."""
     callspec = getattr(item, "callspec", None)
     if callspec is None:
         return None
     quant = callspec.params.get("quant_name")
-    if quant is not None and len(formats) > 1 and "model_path" in item.fixturenames:
-        # With one format there is one model: its cases spread over every worker, each building it once.
+    if quant is not None and grouped and "model_path" in item.fixturenames:
         return f"{quant}-{callspec.params.get('backend_name')}"
     pair = item.get_closest_marker("same_worker")
     if pair is not None:
@@ -60,12 +131,13 @@ def group_of(item, formats: list[str]) -> str | None:
     return None
 
 
-def write_groups(config, items, formats: list[str]) -> None:
+def write_groups(config, items) -> None:
     """In a worker: write node id -> group for the collected items where the controller asked for it."""
     folder = getattr(config, "workerinput", {}).get(KEY)
     if not folder:
         return
-    groups = {item.nodeid: g for item in items if (g := group_of(item, formats)) is not None}
+    grouped = by_format(config)
+    groups = {item.nodeid: g for item in items if (g := group_of(item, grouped)) is not None}
     path = Path(folder) / f"{config.workerinput['workerid']}.json"
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(groups))

@@ -7,12 +7,20 @@ NumPy engine adds its float32 repack (kernels/numpy, at most its budget). A laye
 three blocks its cases check, dequantized. Every worker also costs its Python, torch and CUDA context.
 
 At the 7B shape one graph worker needs about 37 GB of GPU memory, so four workers (the CUDA backend's
-choice for a small model, one per format) would not fit one H200; on the 2-core, 24 GB machine two
+choice for a large model, one per format) would not fit one H200; on the 2-core, 24 GB machine two
 workers each holding a Qwen2.5-1.5B-shape simulation and a NumPy engine would not fit its host. So
 `nanoqwen ladder` takes, for the layer and graph rungs, the smallest of: the backend's choice, the
 workers that fit the GPU's memory, and those that fit the host's available memory; and says what it
 chose and why, in one line. A user's explicit `-n` is an upper bound: fewer when more would not fit,
 and the line says so.
+
+A small model is cheap to build: a 0.5B-shape model's float32 copy is dequantized onto the GPU in 0.6 s.
+Below 2 B parameters (ladder/plugin/groups.py SPREAD_BELOW) a worker may switch formats: a device backend's rungs take one worker per
+core (memory permitting) instead of the backend's choice of one per format, since the cases are
+host-bound (the HF simulation's launches, the engine's Python) and four workers left twelve of sixteen
+cores idle, and with more workers than formats the layer and graph rungs' cases of every format spread
+over every worker (ladder/plugin/groups.py `by_format`, `small_model`).
+At and above it, a format's cases keep to one worker, which builds its model and reference once.
 """
 
 from __future__ import annotations
@@ -22,14 +30,14 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from ladder.plugin.groups import params_of
+
 GB = 1 << 30
 BASE_HOST = 1.5 * GB  # a worker's Python, NumPy, torch and transformers, before any model
 BASE_GPU = 1.0 * GB  # a worker's CUDA contexts (CuPy's and torch's) and scratch, before any model
 KV_AND_SCRATCH = 1.0 * GB  # the engine's KV cache pages and activations for the graph rung's prompts
 USABLE = 0.85  # of a GPU's total memory, or of the host's available memory, that the workers may fill
 NUMPY_REPACK = 4 * GB  # kernels/numpy DEFAULT_REPACK_MB: the float32 copies a NumPy engine keeps at most
-
-
 @dataclass(frozen=True)
 class ModelSize:
     params: int  # parameters of the model (its unquantized shapes)
@@ -45,13 +53,8 @@ class ModelSize:
             with ModelFile(path, verify_checksums=False) as mf:
                 stored = max(stored, sum(e.length for e in mf.tensors.values()))
                 config = mf.config_dict
-        c = config
-        H, I, V, L = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["num_hidden_layers"]
-        d = c.get("head_dim") or H // c["num_attention_heads"]
-        q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
-        layer = H * (q + 2 * kv) + (q + 2 * kv) + q * H + 3 * H * I + 2 * H
-        params = V * H * (1 if c.get("tie_word_embeddings") else 2) + L * layer + H
-        return cls(int(params), int(stored), int(layer))
+        params, layer = params_of(config)
+        return cls(params, int(stored), layer)
 
 
 def host_available() -> int | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.config import SHAPES
+from ladder.plugin import groups
 from ladder.run import workers
 from ladder.run.workers import GB, ModelSize, fitting, worker_need
 
@@ -56,3 +57,51 @@ def test_the_line_says_what_was_chosen_and_a_users_n_is_an_upper_bound(monkeypat
     assert line.startswith("nanoqwen: rung graph: 2 workers") and "3.0 GB of host memory each, of 8 GB available" in line
     assert ("not the 4 of -n" in line) == explicit
     assert workers.size_workers("unit", 4, [str(random_model_file())], ["numpy"]) == (4, None)
+
+
+QWEN_1_5B = SHAPES["qwen2.5-0.5b"].replace(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                                          num_attention_heads=12)  # Qwen2.5-1.5B: 1.54 B parameters
+
+
+@pytest.mark.parametrize("config, small", [(SHAPES["qwen2.5-0.5b"], True), (QWEN_1_5B, True),
+                                           (SHAPES["qwen2.5-coder-7b"], False)], ids=["0.5b", "1.5b", "7b"])
+def test_below_two_billion_parameters_a_model_is_small(tmp_path, config, small):
+    """A small model's formats' cases spread over every worker; a large one's keep to one worker per format."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(config.to_hf_dict()))
+    assert groups.small_model(str(tmp_path)) is small
+    assert groups.small_model(None)  # the embedded default model
+
+
+def test_nanoqwen_spread_below_moves_the_line_and_a_bad_value_names_itself(monkeypatch):
+    monkeypatch.setenv("NANOQWEN_SPREAD_BELOW", "0")
+    assert not groups.small_model(None)  # every model counts as large: the grouping of before
+    monkeypatch.setenv("NANOQWEN_SPREAD_BELOW", "2e9")
+    assert groups.spread_below() == 2_000_000_000
+    for bad in ("many", "-1", "inf"):
+        monkeypatch.setenv("NANOQWEN_SPREAD_BELOW", bad)
+        with pytest.raises(groups.SpreadError, match="NANOQWEN_SPREAD_BELOW is"):
+            groups.small_model(None)
+
+
+@pytest.mark.parametrize("small", [True, False])
+def test_a_device_backend_s_small_model_takes_a_worker_per_core_a_large_one_the_backends_choice(monkeypatch, small):
+    import argparse
+
+    import kernels
+    from ladder.run import runner
+
+    class Device:
+        @staticmethod
+        def test_workers():
+            return 4
+
+    monkeypatch.setattr(kernels, "backend_names", lambda: ["cuda"])
+    monkeypatch.setattr(kernels, "backend_available", lambda name: (True, ""))
+    monkeypatch.setattr(kernels, "backend_needs_device", lambda name: True)
+    monkeypatch.setattr(kernels, "backend_class", lambda name: Device)
+    monkeypatch.setattr(groups, "small_model", lambda spec: small)
+    args = argparse.Namespace(backend="cuda", workers="auto", model="m", model_files=None)
+    assert runner.worker_count(args, "graph") == ("auto" if small else "4")  # auto: one per core
+    assert runner.worker_count(args, "unit") == "auto"
