@@ -24,14 +24,13 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 from bench.checks import refuse
+from ladder.tools.sanitizer import ERROR_EXIT, command, find_sanitizer
 
-ERROR_EXIT = 86  # compute-sanitizer's exit status when it reports an error
 
 PLANTED_SRC = r"""
 extern "C" __global__ void planted_oob(float* a, int n) {
@@ -53,21 +52,6 @@ extern "C" __global__ void planted_uninit(const float* never_written, float* out
 """
 PLANTED = {"memcheck": "planted_oob", "racecheck": "planted_divergent_barrier", "initcheck": "planted_uninit"}
 TOOLS = tuple(PLANTED)
-
-
-def find_sanitizer() -> str | None:
-    found = shutil.which("compute-sanitizer")
-    if found:
-        return found
-    roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
-    nvcc = shutil.which("nvcc")
-    if nvcc:
-        roots.append(str(Path(nvcc).resolve().parent.parent))
-    for root in filter(None, roots):
-        for cand in (Path(root) / "bin" / "compute-sanitizer", Path(root) / "compute-sanitizer" / "compute-sanitizer"):
-            if cand.exists():
-                return str(cand)
-    return None
 
 
 # ---- the checked process ----------------------------------------------------------------------
@@ -171,8 +155,7 @@ def run_gemv_tails(be, fmt, say) -> None:
 # ---- the driver --------------------------------------------------------------------------------
 
 def run_under(sanitizer: str, tool: str, what: str) -> tuple[int, str]:
-    cmd = [sanitizer, "--tool", tool, "--error-exitcode", str(ERROR_EXIT), "--print-limit", "10",
-           sys.executable, "-m", "bench.sanitize", "--child", what]
+    cmd = command(sanitizer, tool, sys.executable, "-m", "bench.sanitize", "--child", what)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], env=env)
     return res.returncode, res.stdout + res.stderr

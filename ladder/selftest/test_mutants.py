@@ -190,6 +190,7 @@ def test_rungs_red_on_the_unmutated_tree_refuse_the_run(tmp_path):
     (["--baseline", "no-such-folder"], "--baseline"),
     (["--rerun", "no-such-folder"], "--rerun"),
     (["--sample", "0"], "--sample"),
+    (["--sample", "3", "--seed", "tomorrow"], "--seed"),
 ])
 def test_bad_mutate_arguments_are_one_line_and_exit_2(args, needle, tmp_path):
     r = subprocess.run([sys.executable, "-m", "ladder", "mutate", *args], cwd=tmp_path, capture_output=True, text=True,
@@ -286,6 +287,73 @@ def test_a_run_weaker_than_its_baseline_is_a_regression_and_a_stronger_one_is_no
     run = _report({"a": "survived", "b": "survived", "c": "timed_out", "d": "killed"})
     run["baseline"] = compare(run, base)
     assert any("score over the 4 mutants" in line for line in regressions(run))  # 2 of 4 against 3 of 4
+
+
+def test_seed_random_draws_a_sample_that_its_printed_seed_draws_again(tmp_path):
+    def listed(seed: str) -> list[str]:
+        r = subprocess.run([sys.executable, "-m", "ladder", "mutate", "--sample", "5", "--seed", seed, "--list"],
+                           cwd=tmp_path, capture_output=True, text=True, env=child_env("numpy"), timeout=120)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.splitlines()
+
+    drawn = listed("random")
+    seed = drawn[-1].rsplit("seed ", 1)[1]
+    assert seed.isdigit() and listed(seed) == drawn and len(drawn) == 6  # five mutants and the summary line
+    assert listed("date")[-1].endswith(f"seed {time.strftime('%Y%m%d')}")
+
+
+def test_a_report_s_trend_carries_its_baseline_s_runs_and_keeps_the_last_thirty():
+    from ladder.tools.mutate_report import TREND_NIGHTS, markdown, trend, trend_line
+
+    def report(outcomes: dict[str, str], seed: int, started: str) -> dict:
+        from ladder.tools.mutate_report import summarize
+
+        results = [{"signature": sig, "outcome": o, "file": "kernels/numpy/f.py", "function": "g", "line": 1,
+                    "original": "+", "replacement": "-", "kind": "operator", "rung": "unit"} for sig, o in outcomes.items()]
+        meta = {"backend": "numpy", "rungs": ["unit"], "run": len(results), "candidates": 9, "seed": seed,
+                "seconds": 1.0, "started": started}
+        return {"meta": meta, "summary": summarize(results, {}), "mutants": results, "equivalents": {}}
+
+    night = report({"a": "killed", "b": "survived", "c": "timed_out"}, 20261202, "2026-12-02T03:00:00")
+    night["trend"] = trend(night, None)
+    assert [e["seed"] for e in night["trend"]] == [20261202] and night["trend"][0]["score"] == pytest.approx(2 / 3)
+    tonight = report({"d": "killed", "e": "killed"}, 20261203, "2026-12-03T03:00:00")
+    tonight["trend"] = trend(tonight, night)
+    assert [e["seed"] for e in tonight["trend"]] == [20261202, 20261203]
+    line = trend_line(tonight["trend"])
+    assert "this run 100.0%" in line and "the last 2 run(s) together 80.0% (4 detected, 1 survived)" in line, line
+    assert "## Trend" in markdown(tonight) and "| 2026-12-02T03:00:00 | 20261202 | 3 | 2 | 1 |" in markdown(tonight)
+    long_ago = {**tonight, "trend": tonight["trend"] * 20}
+    assert len(trend(tonight, long_ago)) == TREND_NIGHTS and trend(tonight, long_ago)[-1]["seed"] == 20261203
+
+
+# A stand-in for compute-sanitizer: `--tool T --error-exitcode N --print-limit K ARGV...`; it reports an
+# error (exit N) under the tools FLAGGED names, else runs ARGV and exits with its status.
+FAKE_SANITIZER = """#!/bin/sh
+tool=$2; code=$4; shift 6
+case " $FLAGGED " in *" $tool "*) echo "========= Invalid __global__ write of size 4 bytes"; exit $code;; esac
+echo "pool=$NANOQWEN_CUPY_POOL"
+exec "$@"
+"""
+
+
+def test_a_survivor_s_second_look_kills_it_under_the_tool_that_reports_and_says_which(tmp_path):
+    from ladder.tools.mutate import Worker
+
+    fake = tmp_path / "compute-sanitizer"
+    fake.write_text(FAKE_SANITIZER)
+    fake.chmod(0o755)
+    w = Worker(tmp_path / "copy", 0, "numpy", ["unit"], None, [], {}, {}, child_env("numpy", pythonpath=str(ROOT)), [])
+    w.sanitizer = str(fake)
+    ids = ["ladder/unit/test_format_int4.py::test_weights_the_format_cannot_hold_are_refused"]
+    w.env["FLAGGED"] = "racecheck"
+    assert w.second_look(ids) == {"caught_by": "racecheck"}
+    assert "NANOQWEN_CUPY_POOL" not in w.env  # the pool is turned off in the checked process only
+    w.env["FLAGGED"] = ""
+    assert w.second_look(ids) == {"second_look": "memcheck clean, racecheck clean"}, w.log.read_text()[-2000:]
+    assert w.log.read_text().startswith("pool=0") and " passed" in w.log.read_text()  # the cases ran, pool off
+    w.sanitizer = None  # a host backend: no sanitizer, no second look
+    assert w.second_look(ids) == {}
 
 
 @skip_inside_nested_run

@@ -44,6 +44,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -52,7 +53,7 @@ from pathlib import Path
 
 from engine.errors import NanoqwenError
 from ladder.changes.launches import is_source_unit, patterns_for, select
-from ladder.tools.mutate_report import _pct, compare, markdown, regressions, summarize
+from ladder.tools.mutate_report import _pct, compare, markdown, regressions, summarize, trend, trend_line
 from ladder.tools.mutants import Mutant, compiles, mutants_of
 
 ROOT = Path(__file__).resolve().parents[2]  # the folder that holds the project's packages
@@ -63,6 +64,11 @@ TREE = ("engine", "kernels", "ladder", "reference", "fixtures", "bench", "confte
 DEFAULT_FILES = {"numpy": ("kernels/numpy/*.py",), "cuda": ("kernels/cuda/*.cu", "kernels/cuda/*.cuh")}
 START_ALLOWANCE, HANG_FACTOR = 60.0, 3.0  # the automatic timeout: 60 s + the cases' own limits (below)
 CASE_ALLOWANCE = 20.0  # the watchdog: a case hangs past 20 s + 3x its clean time (the first one compiles the mutant)
+# The second look at a survivor of a device backend: its unit-rung cases again under each tool, in a fresh
+# process (the fork server's children share its CUDA state), with a limit of SANITIZER_FACTOR x the
+# automatic timeout (memcheck slows a kernel 10 to 100 times).
+SECOND_LOOK = ("memcheck", "racecheck")
+SANITIZER_FACTOR = 4.0
 
 
 class MutateArgumentError(NanoqwenError):
@@ -196,6 +202,7 @@ class Worker:
         self.log = self.dir / "rung.log"
         self.server = None
         self.stop_at = None  # perf_counter time of the run's hard stop (--budget), if any
+        self.sanitizer = None  # compute-sanitizer, for the second look at a survivor (device backends)
 
     def _start(self):
         self.server = subprocess.Popen([sys.executable, "-m", "ladder.tools.forkserver",
@@ -262,10 +269,53 @@ class Worker:
                 if outcome != "passed":
                     rec = {"outcome": outcome, "rung": rung, "seconds": round(time.perf_counter() - t0, 2), "cases": cases}
                     return {**rec, "hung": hung} if hung else rec
-            outcome = "survived" if launched else "not_launched"
-            return {"outcome": outcome, "rung": None, "seconds": round(time.perf_counter() - t0, 2), "cases": cases}
+            if not launched:
+                return {"outcome": "not_launched", "rung": None, "seconds": round(time.perf_counter() - t0, 2), "cases": cases}
+            look = self.second_look(dict(plan).get("unit", []))
+            rec = {"outcome": "survived", "rung": None, "cases": cases, **look}
+            if look.get("caught_by"):
+                rec.update(outcome="killed", rung="unit")
+            return {**rec, "seconds": round(time.perf_counter() - t0, 2)}
         finally:
             path.write_text(original)
+
+    def second_look(self, ids: list[str]) -> dict:
+        """A survivor's unit-rung cases again under compute-sanitizer, each tool of SECOND_LOOK in turn, in a
+        fresh process with CuPy's memory pool off (ladder/tools/sanitizer.py): a write past an output, a read
+        past a weight's last row or a missing barrier changes no value the checks compare, but the tools see
+        it. {"caught_by": tool} when a tool reports an error, or a case fails under it (an over-read that
+        met real garbage instead of pooled zeros); {"second_look": what ran} otherwise; {} when there is no
+        sanitizer (a host backend) or no unit case."""
+        if not self.sanitizer or not ids:
+            return {}
+        from ladder.tools.sanitizer import ERROR_EXIT, POOL_VARIABLE, command
+
+        looked = []
+        for tool in SECOND_LOOK:
+            limit = SANITIZER_FACTOR * self.timeout_for("unit", ids)
+            if self.stop_at is not None:
+                limit = min(limit, self.stop_at - time.perf_counter())
+                if limit <= 0:
+                    break
+            argv = [sys.executable, "-m", "pytest", *ids, *_rung_args("unit", self.dir, self.backend,
+                                                                      ["-x", "-p", "no:xdist", *self.extra])]
+            with open(self.log, "w") as out:
+                proc = subprocess.Popen(command(self.sanitizer, tool, *argv, print_limit=5), cwd=self.dir,
+                                        env={**self.env, POOL_VARIABLE: "0"}, stdout=out, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+                try:
+                    code = proc.wait(timeout=limit)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                    looked.append(f"{tool} past {limit:.0f} s (no verdict)")
+                    continue
+            if code == ERROR_EXIT:
+                return {"caught_by": tool}
+            if code not in (0, 5):
+                return {"caught_by": f"{tool} (a case failed under it)"}
+            looked.append(f"{tool} clean")
+        return {"second_look": ", ".join(looked)} if looked else {}
 
     def timeout_for(self, rung: str, ids: list[str]) -> float:
         """--timeout where given; else a start-up allowance (imports, collection) plus every case's own
@@ -344,6 +394,14 @@ def run(mutants: list[Mutant], backend: str, rungs, jobs: int, timeout: float, e
         files = sorted({m.file for m in mutants})
         workers = [Worker(Path(tmp), i, backend, rungs, timeout, extra, maps, seconds, env, files)
                    for i in range(max(1, min(jobs, len(mutants))))]
+        if backend_needs_device(backend) and "unit" in rungs:
+            from ladder.tools.sanitizer import find_sanitizer
+
+            sanitizer = find_sanitizer()
+            if sanitizer is None:
+                log("no compute-sanitizer here: survivors get no second look under memcheck and racecheck")
+            for w in workers:
+                w.sanitizer = sanitizer
         free = list(workers)
         t0 = time.perf_counter()
         if budget is not None:  # a mutant still running at the budget gets a grace, then is cut and not run
@@ -372,6 +430,7 @@ def run(mutants: list[Mutant], backend: str, rungs, jobs: int, timeout: float, e
                         results.append(rec)
                         log(f"[{len(results)}/{len(mutants)}] {rec['outcome']:<15} {m.describe()}"
                             + (f" (rung {rec['rung']})" if rec["rung"] else "")
+                            + (f" caught by {rec['caught_by']}" if rec.get("caught_by") else "")
                             + (f" hung in {rec['hung']['case']}" if rec.get("hung") else "")
                             + f"  {rec['cases']} cases  {time.perf_counter() - t0:.0f}s")
         finally:
@@ -421,11 +480,13 @@ def _run(args) -> int:
     if args.list:
         for m in chosen:
             print(m.describe())
-        print(f"{len(chosen)} of {len(candidates)} mutants ({len(equivalents)} reviewed equivalents left out)")
+        seed = f", seed {args.seed}" if args.sample else ""
+        print(f"{len(chosen)} of {len(candidates)} mutants ({len(equivalents)} reviewed equivalents left out){seed}")
         return 0
     extra = args.pytest_args[1:] if args.pytest_args[:1] == ["--"] else args.pytest_args
+    drawn = f", seed {args.seed} (--seed {args.seed} draws them again)" if args.sample else ""
     print(f"nanoqwen mutate: {len(chosen)} of {len(runnable)} mutants of {len(files)} files on backend {args.backend}, "
-          f"rungs {','.join(rungs)}, {args.workers} workers", flush=True)
+          f"rungs {','.join(rungs)}, {args.workers} workers{drawn}", flush=True)
     t0 = time.perf_counter()
     try:
         results = run(chosen, args.backend, rungs, args.workers, args.timeout, extra, log=lambda s: print(s, flush=True),
@@ -440,15 +501,20 @@ def _run(args) -> int:
               "summary": summarize(results, equivalents), "mutants": results, "equivalents": equivalents}
     if baseline is not None:
         report["baseline"] = compare(report, baseline)
+    report["trend"] = trend(report, baseline)
     out.mkdir(parents=True, exist_ok=True)
     (out / "mutate.json").write_text(json.dumps(report, indent=1))
     (out / "mutate.md").write_text(markdown(report))
     t = report["summary"]["total"]
     run_s = [r["seconds"] for r in results if r["outcome"] not in ("did_not_compile", "not_launched")]
-    print(f"score {_pct(t['score'])}: {t['killed']} killed, {t['timed_out']} timed out, {t['survived']} survived, "
+    caught = sum(1 for r in results if r.get("caught_by"))
+    print(f"score {_pct(t['score'])}: {t['killed']} killed ({caught} by the sanitizers' second look), "
+          f"{t['timed_out']} timed out, {t['survived']} survived, "
           f"{t['did_not_compile']} did not compile, {t['not_launched']} not launched, {t['not_run']} not run, "
           f"{t['equivalent']} reviewed "
           f"equivalents; {sum(run_s) / max(1, len(results)):.1f} s of worker time per mutant; report in {out}")
+    if len(report["trend"]) > 1:
+        print(trend_line(report["trend"]))
     worse = regressions(report)
     for line in worse[:20]:
         print(f"REGRESSION {line}", file=sys.stderr)
@@ -479,7 +545,9 @@ def register(subparsers) -> None:
     m.add_argument("--files", metavar="PATTERN,...", help="sources to mutate, globs relative to the repository "
                    "(default: kernels/numpy/*.py for numpy, kernels/cuda/*.cu and *.cuh for cuda)")
     m.add_argument("--sample", type=_positive, metavar="N", help="run N mutants drawn with --seed (default: all)")
-    m.add_argument("--seed", type=int, default=0, help="the sample's seed (default 0)")
+    m.add_argument("--seed", type=_seed, default=0, metavar="SEED|random|date",
+                   help="the sample's seed: an integer; `random`, a fresh one drawn and printed; `date`, today's "
+                        "(YYYYMMDD, a nightly's rotating sample) (default 0)")
     m.add_argument("--rungs", default="unit,layer,graph", help="rungs to run, cheapest first (default unit,layer,graph)")
     m.add_argument("-n", "--workers", type=_positive, default=max(1, (os.cpu_count() or 2) // 2), metavar="N",
                    help="parallel workers, each with its own copy of the tree (default: half the cores)")
@@ -500,6 +568,18 @@ def register(subparsers) -> None:
     m.add_argument("--list", action="store_true", help="list the chosen mutants and stop")
     m.add_argument("pytest_args", nargs="*", metavar="-- PYTEST ARGS", help="passed to every rung's pytest")
     m.set_defaults(func=_run)
+
+
+def _seed(text: str) -> int:
+    """--seed: a non-negative integer, `random` (drawn from the OS: a sample nobody chose) or `date`
+    (today's YYYYMMDD: every run of a day draws the same sample, each night another)."""
+    if text == "random":
+        return int.from_bytes(os.urandom(4), "little") >> 1
+    if text == "date":
+        return int(datetime.date.today().strftime("%Y%m%d"))
+    from engine.cli import int_at_least
+
+    return int_at_least(0, "a non-negative integer, 'random' or 'date'")(text)
 
 
 def _positive(text: str) -> int:

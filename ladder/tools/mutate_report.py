@@ -34,6 +34,29 @@ def summarize(results: list[dict], equivalents: dict[str, dict]) -> dict:
             "functions": [{"file": f, "function": fn, **row(c)} for (f, fn), c in sorted(by_function.items())]}
 
 
+TREND_NIGHTS = 30  # the runs a report's trend keeps, newest last
+
+
+def trend(report: dict, baseline: dict | None) -> list[dict]:
+    """The baseline's trend with this run appended (the last TREND_NIGHTS): one entry a run, its date,
+    seed, counts and score. A nightly's rotating sample (`--seed date`) draws other mutants every night,
+    so no two nights compare mutant by mutant; their trend is the score of samples nobody tuned to."""
+    meta, t = report["meta"], report["summary"]["total"]
+    entry = {"started": meta["started"], "seed": meta["seed"], "run": meta["run"],
+             **{k: t[k] for k in (*DETECTED, "survived", "did_not_compile", "not_run")}, "score": t["score"]}
+    return [*(baseline or {}).get("trend", []), entry][-TREND_NIGHTS:]
+
+
+def trend_line(entries: list[dict]) -> str:
+    """One line: this run's score and the pooled score of the runs the trend keeps."""
+    pooled = Counter()
+    for e in entries:
+        pooled.update({k: e[k] for k in (*DETECTED, "survived")})
+    last = entries[-1]
+    return (f"trend: this run {_pct(last['score'])} (seed {last['seed']}); the last {len(entries)} run(s) together "
+            f"{_pct(score(pooled))} ({sum(pooled[k] for k in DETECTED)} detected, {pooled['survived']} survived)")
+
+
 def compare(current: dict, baseline: dict) -> dict:
     """Per file, the score here and in the baseline; the mutants the baseline killed that survive here,
     and those it let survive that are killed here."""
@@ -100,6 +123,16 @@ def markdown(report: dict) -> str:
     lines += ["", f"## Survivors ({len(survivors)})", ""]
     lines += [f"- `{r['file']}:{r['line']}` in `{r['function']}`: `{r['original']}` -> `{r['replacement']}` "
               f"({r['kind']}; signature `{r['signature']}`)" for r in survivors] or ["none"]
+    caught = [r for r in report["mutants"] if r.get("caught_by")]
+    if caught or any(r.get("second_look") for r in survivors):
+        lines += ["", f"## Caught by the second look ({len(caught)}, counted as killed)", "",
+                  "Each survivor's unit-rung cases ran again under compute-sanitizer memcheck and racecheck, CuPy's "
+                  "memory pool off: a memory error or a race no value check could see.", ""]
+        lines += [f"- `{r['file']}:{r['line']}` in `{r['function']}`: `{r['original']}` -> `{r['replacement']}`: "
+                  f"caught by {r['caught_by']}" for r in caught] or ["none"]
+        looked = [r for r in survivors if r.get("second_look")]
+        lines += [f"- survivor `{r['file']}:{r['line']}` `{r['original']}` -> `{r['replacement']}`: {r['second_look']}"
+                  for r in looked]
     hung = [r for r in report["mutants"] if r["outcome"] == "timed_out"]
     lines += ["", f"## Timed out ({len(hung)}, counted as detected)", "",
               "A mutant whose case ran past its own limit (20 s + 3x its clean time) was killed by the watchdog, "
@@ -113,6 +146,11 @@ def markdown(report: dict) -> str:
     eq = report["equivalents"]
     lines += ["", f"## Reviewed equivalent mutants ({len(eq)}, not run, not scored)", ""]
     lines += [f"- `{e['file']}:{e['line']}`: `{e['original']}` -> `{e['replacement']}`: {e['reason']}" for e in eq.values()] or ["none"]
+    if len(report.get("trend", [])) > 1:
+        lines += ["", "## Trend (this run last)", "", trend_line(report["trend"]), "",
+                  "| started | seed | run | detected | survived | score |", "| --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {e['started']} | {e['seed']} | {e['run']} | {sum(e[k] for k in DETECTED)} | {e['survived']} | "
+                  f"{_pct(e['score'])} |" for e in report["trend"]]
     if "baseline" in report:
         b = report["baseline"]
         lines += ["", "## Against the baseline", "", "| file | score | baseline |", "| --- | --- | --- |"]
