@@ -105,8 +105,9 @@ def by_format(config) -> bool:
     """Whether a format's model-bound cases keep to one worker: several formats, of a large model or on no
     more workers than formats. With one format there is one model. A small one (a 0.5B-shape model's
     float32 copy is built in 0.6 s) is cheaper to build again at a switch than to leave cores idle, so
-    with more workers than formats (16 workers on one H200's host) its cases spread over every worker,
-    each building what its cases need; with no more (CI's 2 workers, four formats) every worker already
+    with more workers than formats (a host backend on a many-core machine, or `-n 16`) its cases spread
+    over every worker, each building what its cases need; with no more (CI's 2 workers, four formats,
+    or a GPU's four workers: kernels/cuda test_workers) every worker already
     has a format to itself, and switching only costs (the default model's graph rung on 2 CPU workers:
     64 s grouped, 70 s spread). Decided once per session."""
     if not hasattr(config, "_nanoqwen_by_format"):

@@ -76,16 +76,15 @@ def rung_command(rung: str, out: Path, args, extra: list[str]) -> list[str]:
 
 def worker_count(args, rung: str) -> str:
     """`-n`: what the user gave; for `auto` with a device backend that runs here, the layer and graph rungs
-    take the backend's own measured choice (kernels/base.py test_workers: four per GPU on CUDA, one per
-    format) for a large model, while the unit rung, whose time goes to float64 references on the host, and
-    a small model's rungs (ladder/plugin/groups.py `small_model`: its formats' cases may spread over the workers)
-    keep one worker per core. A user's model then caps the layer and graph rungs' workers at what fits the
-    GPU's and the host's memory (ladder/run/workers.py), and one line says what was chosen."""
+    take the backend's own measured choice (kernels/base.py test_workers: four per GPU on CUDA, whatever
+    the model's size: the GPU runs one process's kernels at a time), while the unit rung, whose time goes
+    to float64 references on the host, keeps one worker per core. A user's model then caps the layer and
+    graph rungs' workers at what fits the GPU's and the host's memory (ladder/run/workers.py), and one
+    line says what was chosen."""
     from kernels import backend_available, backend_class, backend_names, backend_needs_device
-    from ladder.plugin.groups import small_model
 
     names = backend_names() if args.backend in (None, "all") else [args.backend]
-    if args.workers != "auto" or rung == "unit" or small_model(getattr(args, "model", None)):
+    if args.workers != "auto" or rung == "unit":
         chosen = args.workers
     else:
         device = [backend_class(n).test_workers() for n in names

@@ -14,13 +14,11 @@ workers that fit the GPU's memory, and those that fit the host's available memor
 chose and why, in one line. A user's explicit `-n` is an upper bound: fewer when more would not fit,
 and the line says so.
 
-A small model is cheap to build: a 0.5B-shape model's float32 copy is dequantized onto the GPU in 0.6 s.
-Below 2 B parameters (ladder/plugin/groups.py SPREAD_BELOW) a worker may switch formats: a device backend's rungs take one worker per
-core (memory permitting) instead of the backend's choice of one per format, since the cases are
-host-bound (the HF simulation's launches, the engine's Python) and four workers left twelve of sixteen
-cores idle, and with more workers than formats the layer and graph rungs' cases of every format spread
-over every worker (ladder/plugin/groups.py `by_format`, `small_model`).
-At and above it, a format's cases keep to one worker, which builds its model and reference once.
+A small model is cheap to build (a 0.5B-shape model's float32 copy is dequantized onto the GPU in 0.6 s):
+below 2 B parameters, with more workers than formats (a host backend on many cores), the layer and graph
+rungs' cases of every format spread over every worker (ladder/plugin/groups.py `by_format`,
+`small_model`). A device backend keeps its own choice whatever the size (kernels/cuda test_workers:
+sixteen workers on one H200 ran a 0.5B-shape model's rungs no faster than four).
 """
 
 from __future__ import annotations

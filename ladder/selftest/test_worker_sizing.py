@@ -83,25 +83,3 @@ def test_nanoqwen_spread_below_moves_the_line_and_a_bad_value_names_itself(monke
         monkeypatch.setenv("NANOQWEN_SPREAD_BELOW", bad)
         with pytest.raises(groups.SpreadError, match="NANOQWEN_SPREAD_BELOW is"):
             groups.small_model(None)
-
-
-@pytest.mark.parametrize("small", [True, False])
-def test_a_device_backend_s_small_model_takes_a_worker_per_core_a_large_one_the_backends_choice(monkeypatch, small):
-    import argparse
-
-    import kernels
-    from ladder.run import runner
-
-    class Device:
-        @staticmethod
-        def test_workers():
-            return 4
-
-    monkeypatch.setattr(kernels, "backend_names", lambda: ["cuda"])
-    monkeypatch.setattr(kernels, "backend_available", lambda name: (True, ""))
-    monkeypatch.setattr(kernels, "backend_needs_device", lambda name: True)
-    monkeypatch.setattr(kernels, "backend_class", lambda name: Device)
-    monkeypatch.setattr(groups, "small_model", lambda spec: small)
-    args = argparse.Namespace(backend="cuda", workers="auto", model="m", model_files=None)
-    assert runner.worker_count(args, "graph") == ("auto" if small else "4")  # auto: one per core
-    assert runner.worker_count(args, "unit") == "auto"

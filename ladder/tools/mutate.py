@@ -431,6 +431,7 @@ def run(mutants: list[Mutant], backend: str, rungs, jobs: int, timeout: float, e
                         log(f"[{len(results)}/{len(mutants)}] {rec['outcome']:<15} {m.describe()}"
                             + (f" (rung {rec['rung']})" if rec["rung"] else "")
                             + (f" caught by {rec['caught_by']}" if rec.get("caught_by") else "")
+                            + (f" (second look: {rec['second_look']})" if rec.get("second_look") else "")
                             + (f" hung in {rec['hung']['case']}" if rec.get("hung") else "")
                             + f"  {rec['cases']} cases  {time.perf_counter() - t0:.0f}s")
         finally:
