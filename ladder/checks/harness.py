@@ -48,8 +48,9 @@ def guarded(backend, a: np.ndarray):
     return view
 
 
-def check_guards(backend, a) -> None:
-    """Fail if an op wrote into the guard bands around output `a` (a no-op for an unguarded array)."""
+def check_guards(backend, a, op: str | None = None) -> None:
+    """Fail if an op (`op`, named in the message) wrote into the guard bands around output `a` (a no-op for
+    an unguarded array)."""
     entry = _GUARDED.get(id(a))
     if entry is None or entry[0] is not a:
         return
@@ -60,7 +61,7 @@ def check_guards(backend, a) -> None:
         changed = np.flatnonzero(part != CANARY)
         if changed.size:
             raise AssertionError(
-                f"an op wrote outside its output: {changed.size} of the {width} guard bytes {side} changed, the "
+                f"{op or 'an op'} wrote outside its output: {changed.size} of the {width} guard bytes {side} changed, the "
                 f"nearest {changed[0]} bytes away (element {changed[0] // whole.dtype.itemsize}; output "
                 f"{tuple(a.shape)} {whole.dtype}): an out-of-bounds write, which the values compared do not show")
 
@@ -71,10 +72,10 @@ def dev(backend, *arrays):
     return out[0] if len(out) == 1 else out
 
 
-def host(backend, a) -> np.ndarray:
-    """Array `a` on the host, after its guard bands are checked (`guarded`)."""
+def host(backend, a, op: str | None = None) -> np.ndarray:
+    """Array `a` on the host, after its guard bands are checked (`guarded`); `op` wrote it (for the message)."""
     backend.synchronize()
-    check_guards(backend, a)
+    check_guards(backend, a, op)
     return np.array(backend.to_numpy(a), copy=True)
 
 

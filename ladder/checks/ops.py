@@ -60,7 +60,7 @@ def check_embed(backend, T, V, H, seed):
     ref = ref_ops.ref_embed(ids, table)
     out = sentinel(backend, (T, H), F32)
     backend.embed(dev(backend, ids), dev(backend, table), out)
-    assert_close("embed", host(backend, out), ref, backend=backend.name, case=f"T={T},V={V},H={H}", seed=seed)
+    assert_close("embed", host(backend, out, "embed"), ref, backend=backend.name, case=f"T={T},V={V},H={H}", seed=seed)
 
 
 # --- rmsnorm -------------------------------------------------------------------------------------
@@ -80,7 +80,7 @@ def check_rmsnorm(backend, T, H, eps, kind, seed):
     plain = _round(ref_ops.ref_rmsnorm(x, w, eps, dtype=F32), F16)
     out = sentinel(backend, (T, H), F16)
     backend.rmsnorm(dev(backend, x), dev(backend, w), eps, out)
-    assert_close("rmsnorm", host(backend, out), ref, plain, backend=backend.name, case=f"T={T},H={H},{kind}", seed=seed)
+    assert_close("rmsnorm", host(backend, out, "rmsnorm"), ref, plain, backend=backend.name, case=f"T={T},H={H},{kind}", seed=seed)
 
 
 def check_rmsnorm_rows(backend, T, first, H=3584):
@@ -94,7 +94,7 @@ def check_rmsnorm_rows(backend, T, first, H=3584):
     plain = _round(ref_ops.ref_rmsnorm(rows, w, 1e-6, dtype=F32), F16)
     out = sentinel(backend, (T, H), F16)
     backend.rmsnorm(dev(backend, x)[first:first + T], dev(backend, w), 1e-6, out)
-    assert_close("rmsnorm", host(backend, out), ref, plain, backend=backend.name,
+    assert_close("rmsnorm", host(backend, out, "rmsnorm"), ref, plain, backend=backend.name,
                  case=f"T={T},H={H},rows {first}..{first + T} of {T + 4}", seed=first)
 
 
@@ -114,7 +114,7 @@ def check_qkv_proj(backend, fmt, T, in_f, out_f, seed, case="", weights=None):
     plain = _round(ref_ops.ref_linear(x, wref, bias, dtype=F32), F16)
     out = sentinel(backend, (T, out_f), F16)
     backend.qkv_proj(dev(backend, x), qw, dev(backend, bias), out)
-    assert_close("qkv_proj", host(backend, out), ref, plain, backend=backend.name,
+    assert_close("qkv_proj", host(backend, out, "qkv_proj"), ref, plain, backend=backend.name,
                  case=f"T={T},in={in_f},out={out_f}{case}", seed=seed)
 
 
@@ -128,7 +128,7 @@ def check_linear_residual(backend, fmt, op, T, in_f, out_f, seed, case="", weigh
     plain = resid + ref_ops.ref_linear(x, wref, dtype=F32)
     out = guarded(backend, resid)
     getattr(backend, op)(dev(backend, x), qw, out)
-    assert_close(op, host(backend, out), ref, plain, backend=backend.name,
+    assert_close(op, host(backend, out, op), ref, plain, backend=backend.name,
                  case=f"T={T},in={in_f},out={out_f}{case}", seed=seed)
 
 
@@ -155,7 +155,7 @@ def check_gate_up_silu(backend, fmt, T, H, inter, seed, case="", weights=None):
     plain = _round(ref_ops.ref_gate_up_silu(x, wref[:inter], wref[inter:], dtype=F32), F16)
     out = sentinel(backend, (T, inter), F16)
     backend.gate_up_silu(dev(backend, x), qw, out)
-    assert_close("gate_up_silu", host(backend, out), ref, plain, backend=backend.name,
+    assert_close("gate_up_silu", host(backend, out, "gate_up_silu"), ref, plain, backend=backend.name,
                  case=f"T={T},H={H},I={inter}{case}", seed=seed)
 
 
@@ -194,9 +194,9 @@ def check_rope_kv_write(backend, T, start, nkv, ratio, d, theta, layout, seed):
     k_pages, v_pages = sentinel(backend, pages_shape, F16), sentinel(backend, pages_shape, F16)
     q_out = sentinel(backend, (T, nq, d), F16)
     backend.rope_kv_write(dev(backend, qkv), dev(backend, positions), k_pages, v_pages, dev(backend, table), theta, q_out)
-    kp, vp = host(backend, k_pages), host(backend, v_pages)
+    kp, vp = host(backend, k_pages, "rope_kv_write"), host(backend, v_pages, "rope_kv_write")
     case = f"T={T},start={start},nq={nq},nkv={nkv},d={d},theta={theta:g},{layout}"
-    assert_close("rope_q", host(backend, q_out), ref_q, plain_q, backend=backend.name, case=case, seed=seed, tol_op="rope_kv_write")
+    assert_close("rope_q", host(backend, q_out, "rope_kv_write"), ref_q, plain_q, backend=backend.name, case=case, seed=seed, tol_op="rope_kv_write")
     slots = (table[positions // 16], positions % 16)
     k_written = np.stack([kp[p, :, s] for p, s in zip(*slots)])
     v_written = np.stack([vp[p, :, s] for p, s in zip(*slots)])
@@ -218,7 +218,7 @@ def check_attention(backend, op: str, case: PagedCase):
     plain = _round(ref_ops.ref_paged_attention(c.q, c.k_pages, c.v_pages, c.page_table, c.positions, dtype=F32), F16)
     out = sentinel(backend, (c.T, c.nq * c.d), F16)
     getattr(backend, op)(*dev(backend, c.q, c.k_pages, c.v_pages, c.page_table, c.positions), out)
-    assert_close(op, host(backend, out), ref, plain, backend=backend.name, case=str(c), seed=c.seed, tol_op="attention")
+    assert_close(op, host(backend, out, op), ref, plain, backend=backend.name, case=str(c), seed=c.seed, tol_op="attention")
 
 
 @examples(dict(case=PagedCase.build(seed=0, L=1, T=1, nq=1, nkv=1, d=64, layout="contiguous")),  # position 0: one key
@@ -259,7 +259,7 @@ def check_lm_head(backend, V, H, seed):
     plain = ref_ops.ref_lm_head(x, w, dtype=F32)
     out = sentinel(backend, (1, V), F32)
     backend.lm_head(dev(backend, x), dev(backend, w), out)
-    assert_close("lm_head", host(backend, out), ref, plain, backend=backend.name, case=f"V={V},H={H}", seed=seed)
+    assert_close("lm_head", host(backend, out, "lm_head"), ref, plain, backend=backend.name, case=f"V={V},H={H}", seed=seed)
 
 
 @examples(dict(V=152064, ties=3, seed=0), dict(V=1000, ties=0, seed=1))
@@ -273,7 +273,7 @@ def check_argmax(backend, V, ties, seed):
     ref = ref_ops.ref_argmax(logits)
     out = sentinel(backend, (1,), np.int32)
     backend.argmax(dev(backend, logits), out)
-    assert_equal("argmax", host(backend, out), np.array([ref], dtype=np.int32), backend=backend.name,
+    assert_equal("argmax", host(backend, out, "argmax"), np.array([ref], dtype=np.int32), backend=backend.name,
                  case=f"V={V},ties={ties}", seed=seed)
 
 
@@ -292,9 +292,9 @@ def check_decode_advance(backend, next_id, old_id, start, steps, seed):
         nxt = dev(backend, np.array([pick], dtype=np.int32))
         backend.decode_advance(nxt, ids, positions)
         case = f"next_id={pick},start={start},step={k}"
-        assert_equal("decode_advance", host(backend, ids), np.array([pick], dtype=np.int32),
+        assert_equal("decode_advance", host(backend, ids, "decode_advance"), np.array([pick], dtype=np.int32),
                      backend=backend.name, case=case, seed=seed)
-        assert_equal("decode_advance", host(backend, positions), np.array([start + k], dtype=np.int32),
+        assert_equal("decode_advance", host(backend, positions, "decode_advance"), np.array([start + k], dtype=np.int32),
                      backend=backend.name, case=case, seed=seed)
-        assert_equal("decode_advance", host(backend, nxt), np.array([pick], dtype=np.int32),
+        assert_equal("decode_advance", host(backend, nxt, "decode_advance"), np.array([pick], dtype=np.int32),
                      backend=backend.name, case=case + " (next_id is read, never written)", seed=seed)

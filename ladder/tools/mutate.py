@@ -176,6 +176,17 @@ def map_from_report(folder: str, backend: str, rungs) -> tuple[dict, dict]:
     return maps, seconds
 
 
+def copy_tree(dest: Path) -> None:
+    """A private copy of the project's TREE under `dest` (no bytecode), to edit a source in."""
+    for name in TREE:
+        src = ROOT / name
+        if src.is_dir():
+            shutil.copytree(src, dest / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        elif src.exists():
+            dest.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name)
+
+
 class Worker:
     """A private copy of the tree and a warm fork server (ladder/tools/forkserver.py) started in it. A mutant is
     written into the copy, each rung runs only the cases of the launch map that launch the mutated function,
@@ -185,13 +196,7 @@ class Worker:
                  maps: dict[str, dict], seconds: dict[str, dict], env: dict, files: list[str]):
         self.dir = base / f"w{index}"
         self.files = sorted(files)  # the sources the mutants edit: the fork server must not import them
-        for name in TREE:
-            src = ROOT / name
-            if src.is_dir():
-                shutil.copytree(src, self.dir / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-            elif src.exists():
-                self.dir.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(src, self.dir / name)
+        copy_tree(self.dir)
         self.backend, self.rungs, self.timeout, self.extra, self.maps = backend, rungs, timeout, extra, maps
         self.seconds = seconds  # rung -> node id -> its seconds in the clean run (the automatic timeout)
         # NANOQWEN_NAME_CULPRIT=0: a red block is a killed mutant at its first failing assertion; the
