@@ -13,6 +13,7 @@ from engine.config import Qwen2Config
 from engine.kv_cache import PagedKVCache
 from engine.weights import load_layer_weights
 from fixtures.layer_cases import LayerCase
+from ladder.checks.harness import guarding
 
 
 def run_engine_block(backend, config: Qwen2Config, quant: str, get, case: LayerCase, shuffle_seed: int = 0,
@@ -25,6 +26,13 @@ def run_engine_block(backend, config: Qwen2Config, quant: str, get, case: LayerC
     """
     w = load_layer_weights(backend, config, quant, get, case.layer)
     x = case.inputs(config.hidden_size) if x is None else np.asarray(x, dtype=np.float32)
+    # Every buffer the block writes (its workspaces, its KV cache pages) sits between guard bands, checked
+    # when the block is done (ladder/checks/harness.py `guarding`).
+    with guarding(backend, f"the block (layer {case.layer}, {case})"):
+        return _run_block(backend, config, w, x, case, shuffle_seed, captured)
+
+
+def _run_block(backend, config: Qwen2Config, w, x: np.ndarray, case: LayerCase, shuffle_seed: int, captured: bool):
     layer_config = config.replace(num_hidden_layers=1)
     cache = PagedKVCache(layer_config, backend, num_pages=-(-case.total // 16) + 5, debug_nan=True,
                          shuffle_seed=shuffle_seed)

@@ -13,6 +13,7 @@ a multiple of 256 bytes, so the output keeps the alignment a fresh allocation ha
 
 from __future__ import annotations
 
+import contextlib
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -54,16 +55,44 @@ def check_guards(backend, a, op: str | None = None) -> None:
     entry = _GUARDED.get(id(a))
     if entry is None or entry[0] is not a:
         return
-    _, whole, band = entry
-    raw = np.array(backend.to_numpy(whole), copy=True).view(np.uint8)
+    _check_bands(backend, entry, f"{op or 'an op'} wrote outside its output")
+
+
+def _check_bands(backend, entry, what: str) -> None:
+    view, whole, band = entry
     width = band * whole.dtype.itemsize
-    for side, part in (("before its first element", raw[:width][::-1]), ("past its last element", raw[-width:])):
+    before = np.array(backend.to_numpy(whole[:band]), copy=True).view(np.uint8)  # the bands alone come back
+    after = np.array(backend.to_numpy(whole[whole.size - band:]), copy=True).view(np.uint8)
+    for side, part in (("before its first element", before[::-1]), ("past its last element", after)):
         changed = np.flatnonzero(part != CANARY)
         if changed.size:
             raise AssertionError(
-                f"{op or 'an op'} wrote outside its output: {changed.size} of the {width} guard bytes {side} changed, the "
+                f"{what}: {changed.size} of the {width} guard bytes {side} changed, the "
                 f"nearest {changed[0]} bytes away (element {changed[0] // whole.dtype.itemsize}; output "
-                f"{tuple(a.shape)} {whole.dtype}): an out-of-bounds write, which the values compared do not show")
+                f"{tuple(view.shape)} {whole.dtype}): an out-of-bounds write, which the values compared do not show")
+
+
+@contextlib.contextmanager
+def guarding(backend, what: str):
+    """Inside, every array the backend's `empty` and `full` allocate (an engine block's workspace and its KV
+    cache pages: what the layer rung's ops write) is a view between guard bands, `empty`'s filled with the
+    sentinel; on leaving without an error, every band is checked, and the first changed one fails naming
+    `what` and the buffer. Leaves the backend as it was."""
+    made = []
+
+    def keep(view):
+        made.append(_GUARDED[id(view)])
+        return view
+
+    backend.empty = lambda shape, dtype: keep(sentinel(backend, shape, dtype))
+    backend.full = lambda shape, value, dtype: keep(guarded(backend, np.full(shape, value, np.dtype(dtype))))
+    try:
+        yield
+    finally:
+        del backend.empty, backend.full  # the class's own again
+    backend.synchronize()
+    for entry in made:
+        _check_bands(backend, entry, f"{what} wrote outside a buffer")
 
 
 def dev(backend, *arrays):

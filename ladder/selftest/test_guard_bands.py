@@ -74,3 +74,28 @@ def test_an_in_place_buffer_is_guarded_too():
     backend.o_proj_residual = underrun
     with pytest.raises(AssertionError, match="before its first element"):
         ops.check_o_proj_residual(backend, get_format("int4_sym_g128"), **ops.check_o_proj_residual.examples[0])
+
+
+def test_a_block_whose_op_writes_past_a_workspace_buffer_fails_the_layer_rung():
+    """The layer rung's blocks run with every workspace and KV cache buffer between guard bands
+    (ladder/checks/blockrun.py): an o_proj that adds one element past the residual stream fails the block."""
+    from engine.config import SHAPES
+    from fixtures.layer_cases import LayerCase
+    from ladder.checks.block import BlockUnderTest
+    from ladder.checks.blockrun import run_engine_block
+
+    backend = get_backend("numpy")
+    block = BlockUnderTest.synthetic(SHAPES["tiny"], seed=1)
+    case = LayerCase(layer=0, L=5, steps=2, seed=1)
+    out, k, v = run_engine_block(backend, block.config, block.quant, block.get, case)  # green: bands intact
+    assert np.isfinite(out).all() and out.shape == (7, block.config.hidden_size)
+    original = backend.o_proj_residual
+
+    def overrun(x, w, resid):
+        original(x, w, resid)
+        _flat_beyond(resid, after=1)[-1] += 1.0
+
+    backend.o_proj_residual = overrun
+    with pytest.raises(AssertionError, match=r"^the block \(layer 0, .*\) wrote outside a buffer: .* past its last element"):
+        run_engine_block(backend, block.config, block.quant, block.get, case)
+    assert "empty" not in vars(backend) and "full" not in vars(backend)  # the backend is left as it was
