@@ -11,7 +11,8 @@ First the planted kernels must be flagged, or the script fails (a blind sanitize
 Then every op of the backend at small shapes (`run_ops`: the quantized linears' GEMV and prefill paths in
 every format the backend has a launcher for, each GEMV in its default variant and then every variant at
 its tail shape, where its loop wraps and its last block holds one row; split-K attention with
-NaN-filled free pages, RoPE page writes, embed, rmsnorm, lm_head, argmax, decode_advance), through the
+NaN-filled free pages, RoPE page writes, embed, rmsnorm, lm_head (also at its tail: a partial last
+warp, a wrapped loop, three tokens), argmax, decode_advance), through the
 unit rung's op checks (ladder/checks/ops.py, against reference/) on explicit inputs, must run with no
 error and pass under each tool. Neither pytest nor Hypothesis is needed.
 
@@ -121,6 +122,10 @@ def run_ops(be, say=lambda line: print(line, flush=True)) -> None:
         be.pages_per_split = 1  # split-K with empty splits and the combine
     ops.check_attention_decode(be, PagedCase.build(seed=33, L=33, T=1, nq=14, nkv=2, d=128, layout="sparse"))
     on_examples(ops.check_lm_head, dict(V=4096, H=256, seed=1))
+    from kernels.cuda import catalog
+
+    per_block, per_warp, stride = catalog.lm_head_tiling()  # and its tail: a partial last warp, a wrapped loop, T = 3
+    ops.check_lm_head(be, V=2 * per_block + per_warp + 1, H=stride + 8, seed=4, T=3)
     on_examples(ops.check_argmax, dict(V=1, ties=0, seed=2), dict(V=2, ties=5, seed=3))
     on_examples(ops.check_decode_advance)
 

@@ -20,6 +20,7 @@ path, on machines without CuPy.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -89,6 +90,22 @@ def loop_stride(variant: str, chunk_inputs: int) -> int:
         warps, batch = (int(v[1:]) for v in variant.split("_")[1:])
         return warps * batch * 128
     return int(variant.split("_")[0][1:]) * chunk_inputs
+
+
+_DEFINE = re.compile(r"^[ \t]*#define[ \t]+(\w+)[ \t]+(\d+)\b", re.M)
+
+
+def defines(source: str) -> dict[str, int]:
+    """The integer `#define NAME VALUE` lines of kernels/cuda/<source> (a .cu or .cuh file)."""
+    return {name: int(value) for name, value in _DEFINE.findall((HERE / source).read_text())}
+
+
+def lm_head_tiling() -> tuple[int, int, int]:
+    """(vocab rows per block, rows per warp, inputs one pass of a warp's loop covers) of the lm_head kernel,
+    read from its source: a block is LM_WARPS warps of LM_ROWS rows each, and lane i takes the 16-byte
+    (8 fp16) loads i, i + WARP, ... of the hidden row."""
+    lm, common = defines("embed_lmhead_argmax.cu"), defines("common.cuh")
+    return lm["LM_WARPS"] * lm["LM_ROWS"], lm["LM_ROWS"], common["WARP"] * 8
 
 
 def gemv_kernel_name(prefix: str, op: str, variant: str) -> str:

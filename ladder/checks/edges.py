@@ -23,3 +23,13 @@ def gemv_tail(stride: int, per_block: int, step: int) -> tuple[int, int]:
     """The one shape where both edges are passed at once (the loop wraps, the last block holds one row):
     what a tool that is slow per launch (a sanitizer) runs for every variant."""
     return stride + step, per_block + 1
+
+
+def lm_head_edges(per_block: int, per_warp: int, stride: int, step: int = 8) -> list[tuple[int, int]]:
+    """(vocab, hidden) pairs at the lm_head kernel's edges: vocab sizes short of, on and past a warp's
+    rows and a block's, and past two blocks by a partial warp, with the hidden size one step past a
+    stride; then hidden sizes short of, on and past one stride of the warp's loop and past two, with the
+    vocab one row into a second block."""
+    vocab = sorted({per_warp - 1, per_warp + 1, per_block - 1, per_block, per_block + 1, 2 * per_block + per_warp + 1})
+    pairs = [(v, stride + step) for v in vocab if v >= 1]
+    return pairs + [(per_block + 1, h) for h in (stride - step, stride, 2 * stride + step) if h >= step]

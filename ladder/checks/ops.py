@@ -251,15 +251,16 @@ def check_attention_decode_at_page_edge(backend, L):
 
 
 @examples(dict(V=128, H=128, seed=0))
-def check_lm_head(backend, V, H, seed):
+def check_lm_head(backend, V, H, seed, T=1):
     rng = rng_for(seed)
-    x = fp16(rng, (1, H))
+    x = fp16(rng, (T, H))
     w = fp16(rng, (V, H), 0.2)
     ref = ref_ops.ref_lm_head(x, w)
     plain = ref_ops.ref_lm_head(x, w, dtype=F32)
-    out = sentinel(backend, (1, V), F32)
+    out = sentinel(backend, (T, V), F32)
     backend.lm_head(dev(backend, x), dev(backend, w), out)
-    assert_close("lm_head", host(backend, out, "lm_head"), ref, plain, backend=backend.name, case=f"V={V},H={H}", seed=seed)
+    assert_close("lm_head", host(backend, out, "lm_head"), ref, plain, backend=backend.name,
+                 case=f"T={T},V={V},H={H}", seed=seed)
 
 
 @examples(dict(V=152064, ties=3, seed=0), dict(V=1000, ties=0, seed=1))

@@ -130,6 +130,18 @@ def test_lm_head_fp16_weight_fp32_logits(backend, V, H, seed):
     ops.check_lm_head(backend, V, H, seed)
 
 
+def test_lm_head_at_every_tile_edge(backend):
+    """Vocab and hidden sizes on either side of the CUDA kernel's rows per warp and per block and of its
+    loop's stride (kernels/cuda/catalog.py `lm_head_tiling`, read from the kernel's own #defines), at one
+    token and at three: a partial last block while T >= 2 writes rows of the next token's logits."""
+    from ladder.changes.sources import cuda_module
+    from ladder.checks.edges import lm_head_edges
+
+    for V, H in lm_head_edges(*cuda_module("catalog").lm_head_tiling()):
+        for T in (1, 3):
+            ops.check_lm_head(backend, V, H, seed=V * 7 + H + T, T=T)
+
+
 @given(V=st.sampled_from((1, 2, 128, 1000, 152064)), ties=st.integers(0, 5), seed=seeds)
 @explicit(ops.check_argmax)
 def test_argmax_lowest_index_wins_a_tie(backend, V, ties, seed):
