@@ -22,6 +22,21 @@ import numpy as np
 INT_SENTINEL = -7777
 
 
+POOL_VARIABLE = "NANOQWEN_CUPY_POOL"  # "0": no CuPy memory pool (a run under compute-sanitizer memcheck)
+
+
+def honour_pool_variable() -> None:
+    """With POOL_VARIABLE set to "0", turn CuPy's memory pool off in this process: with the pool on, a write
+    past an array's end lands inside a larger pooled block, which memcheck sees as valid memory (the
+    ladder's plugin calls this at start; `nanoqwen mutate`'s second look at a CUDA survivor sets it)."""
+    if os.environ.get(POOL_VARIABLE) == "0":
+        try:
+            import cupy
+        except ImportError:
+            return
+        cupy.cuda.set_allocator(None)
+
+
 GUARD_BYTES = 512
 CANARY = 0xA5  # each guard byte; as fp16 -0.0227, fp32 -2.9e-16, int32 -1515870811: no op's likely output
 _GUARDED: dict[int, tuple] = {}  # id(output view) -> (the view, its whole buffer, the band in elements)

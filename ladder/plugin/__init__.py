@@ -186,19 +186,10 @@ def model_formats(config) -> list[str]:
     return [quant]
 
 
-POOL_VARIABLE = "NANOQWEN_CUPY_POOL"  # "0": no CuPy memory pool (a run under compute-sanitizer memcheck)
-
-
 def pytest_configure(config):
-    if os.environ.get(POOL_VARIABLE) == "0":
-        # With the pool on, a write past an array's end lands inside a larger pooled block, which memcheck
-        # sees as valid memory: `nanoqwen mutate`'s second look at a CUDA survivor turns it off.
-        try:
-            import cupy
+    from ladder.checks.harness import honour_pool_variable
 
-            cupy.cuda.set_allocator(None)
-        except ImportError:
-            pass
+    honour_pool_variable()  # NANOQWEN_CUPY_POOL=0: no CuPy pool, for a run under compute-sanitizer memcheck
     for name, doc in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {doc}")
     # A complex value silently cast to real would hide a kernel bug: make it an error in every run.

@@ -3,7 +3,8 @@ CUDA survivors (ladder/tools/mutate.py) and the nightly's sanitizer script (benc
 
 CuPy's memory pool must be off in a process checked for memory errors: with the pool on, a write past
 the end of an array lands inside a larger pooled block, which memcheck sees as valid memory. A pytest run
-turns it off when POOL_VARIABLE is "0" (the ladder's plugin, ladder/plugin/__init__.py).
+turns it off when POOL_VARIABLE is "0" (ladder/checks/harness.py `honour_pool_variable`, called by the
+ladder's plugin).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import os
 import shutil
 from pathlib import Path
 
-from ladder.plugin import POOL_VARIABLE  # noqa: F401 - "0": CuPy allocates each array from the driver (no pool)
+from ladder.checks.harness import POOL_VARIABLE  # noqa: F401 - "0": CuPy allocates each array from the driver
 
 ERROR_EXIT = 86  # the exit status compute-sanitizer is told to use when it reports an error (--error-exitcode)
 
