@@ -244,10 +244,11 @@ def test_attention_prefill_kernels_are_causal_at_every_tile_and_page_edge(backen
             check_attention(backend, "attention_prefill", PagedCase.build(seed=100 + i, **kw))
 
 
-@pytest.mark.parametrize("nq, nkv, d", [(18, 2, 64), (4, 2, 96), (2, 1, 32)])
+@pytest.mark.parametrize("nq, nkv, d", [(18, 2, 64), (4, 2, 96), (2, 1, 32), (4, 2, 36)])
 def test_attention_layouts_the_warp_kernel_does_not_hold_take_the_block_kernel(backend, nq, nkv, d):
     """9 query heads per KV head, or a head_dim other than 64 and 128: the warp kernel's registers do not
-    hold them, so the backend runs paged_attention_f16, and the answer is still right."""
+    hold them, so the backend runs paged_attention_f16, and the answer is still right. A head_dim that is
+    not a multiple of 8 (36) takes that kernel's scalar loads of K and V instead of its 16-byte ones."""
     with _attention_setting(backend, attention_variant="warp"):
         assert backend.attention_kernel(nq, nkv, d) == "paged_attention_f16"
         for L, T in ((40, 1), (40, 6)):
