@@ -3,9 +3,9 @@
 Two kinds of groups (`group_of`):
 - a format's model-bound cases (those that take `model_path`: the layer and graph rungs') share one worker,
   which builds that format's model and its HF simulation once instead of at every switch between formats,
-  where the model is large (2 B parameters or more, `small_model`) or the workers
-  are no more than the formats (`by_format`); a small model's cases with workers to spare are free, as are
-  the other cases (the unit rung's): they spread over every worker;
+  where the model is large (2 B parameters or more, `small_model`) or the workers are no more than the
+  formats (`by_format`); a small model's cases with workers to spare are free, as are the other cases
+  (the unit rung's): they spread over every worker;
 - a test marked `same_worker(*params)` keeps its cases that share those parameters together (the 7B-shape
   linears' decode and prefill cases share one weight).
 
@@ -112,6 +112,7 @@ def by_format(config) -> bool:
     64 s grouped, 70 s spread). Decided once per session."""
     if not hasattr(config, "_nanoqwen_by_format"):
         from ladder.plugin import model_formats
+
         formats = len(model_formats(config))
         workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
         config._nanoqwen_by_format = formats > 1 and (workers <= formats or not small_model(config.getoption("--model")))
@@ -151,7 +152,12 @@ def _wanted(config) -> bool:
 
 def pytest_configure(config):
     """The replacement workers allowed (WORKER_RESTARTS). The plugin registers this module from its own
-    pytest_configure, which pytest replays here at once: before pytest-xdist's (trylast) reads the option."""
+    pytest_configure, which pytest replays here at once: before pytest-xdist's (trylast) reads the option.
+    A bad NANOQWEN_SPREAD_BELOW is a usage error here, before any worker starts."""
+    try:
+        spread_below()
+    except SpreadError as e:
+        raise pytest.UsageError(str(e)) from None
     if getattr(config.option, "maxworkerrestart", "") is None and getattr(config.option, "numprocesses", None):
         config.option.maxworkerrestart = str(WORKER_RESTARTS)
 

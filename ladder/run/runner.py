@@ -492,6 +492,9 @@ def _ladder(args, resources) -> int:
     from engine.resolve import resolve_model
 
     check_required_backends(args)
+    from ladder.plugin.groups import spread_below
+
+    spread_below()  # a bad NANOQWEN_SPREAD_BELOW is one line and exit 2, before any rung
     if args.shard:
         from ladder.plugin.sharding import ShardError, parse_shard
 

@@ -83,3 +83,16 @@ def test_nanoqwen_spread_below_moves_the_line_and_a_bad_value_names_itself(monke
         monkeypatch.setenv("NANOQWEN_SPREAD_BELOW", bad)
         with pytest.raises(groups.SpreadError, match="NANOQWEN_SPREAD_BELOW is"):
             groups.small_model(None)
+
+
+def test_a_bad_nanoqwen_spread_below_is_one_line_and_exit_2_before_any_rung(tmp_path):
+    import subprocess
+    import sys
+
+    from ladder.run.nested import child_env
+
+    r = subprocess.run([sys.executable, "-m", "ladder", "ladder", "--backend", "numpy", "--rungs", "unit",
+                        "--report", str(tmp_path / "r")], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                       env=child_env("numpy", NANOQWEN_SPREAD_BELOW="lots"))
+    assert r.returncode == 2 and "[1/1] rung" not in r.stdout, r.stdout[-1500:] + r.stderr[-1500:]
+    assert r.stderr.strip().count("\n") == 0 and "NANOQWEN_SPREAD_BELOW is 'lots'" in r.stderr, r.stderr
