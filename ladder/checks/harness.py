@@ -5,7 +5,8 @@ never writes stays NaN, and `assert_close` fails on NaN anywhere.
 
 Outputs sit between guard bands (`sentinel`, `guarded`): each is a view into the middle of a larger
 buffer, with GUARD_BYTES of a canary byte pattern on either side, and `host` checks the canaries when it
-reads the output back. A write one past an output's last row, or one before its first, changes no value a
+reads the output back. Inputs (`dev`) sit at the front of a buffer followed by GUARD_BYTES of NaN (or the
+int sentinel): a read past an input's end brings NaN into the output. A write one past an output's last row, or one before its first, changes no value a
 check compares; it changes the canary, and the case fails naming the side and the distance. The band is
 a multiple of 256 bytes, so the output keeps the alignment a fresh allocation has (the GEMV kernels'
 16-byte loads and stores, cupy's 256-byte pool blocks).
@@ -111,9 +112,22 @@ def guarding(backend, what: str):
 
 
 def dev(backend, *arrays):
-    """Host arrays -> the backend's arrays (one or a tuple)."""
-    out = tuple(backend.asarray(a) for a in arrays)
+    """Host arrays -> the backend's arrays (one or a tuple): the inputs an op reads. Each sits at the front
+    of a buffer whose next GUARD_BYTES hold NaN (floats) or the int sentinel, so a kernel that reads past
+    an input's end (a tail block's last chunk, a loop bound one too far) reads a value the checks do not
+    let through, where a bare allocation's slack would hold zeros or a stale number that could pass."""
+    out = tuple(_trailed(backend, a) for a in arrays)
     return out[0] if len(out) == 1 else out
+
+
+def _trailed(backend, a):
+    a = np.ascontiguousarray(a)
+    if a.dtype.kind not in "fiu" or a.size == 0:
+        return backend.asarray(a)
+    fill = np.nan if a.dtype.kind == "f" else (INT_SENTINEL if a.dtype.kind == "i" else np.iinfo(a.dtype).max)
+    buf = np.full(a.size + GUARD_BYTES // a.itemsize, fill, dtype=a.dtype)
+    buf[:a.size] = a.reshape(-1)
+    return backend.asarray(buf)[:a.size].reshape(a.shape)
 
 
 def host(backend, a, op: str | None = None) -> np.ndarray:

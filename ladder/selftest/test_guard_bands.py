@@ -99,3 +99,21 @@ def test_a_block_whose_op_writes_past_a_workspace_buffer_fails_the_layer_rung():
     with pytest.raises(AssertionError, match=r"^the block \(layer 0, .*\) wrote outside a buffer: .* past its last element"):
         run_engine_block(backend, block.config, block.quant, block.get, case)
     assert "empty" not in vars(backend) and "full" not in vars(backend)  # the backend is left as it was
+
+
+def test_an_op_that_reads_one_element_past_its_input_fails_its_check():
+    """rmsnorm that adds the square of one element past its input's end to the last row's sum: the input is
+    followed by NaN (harness `dev`), so the row comes out NaN, where a bare allocation's slack could hold 0."""
+    backend = get_backend("numpy")
+    original = backend.rmsnorm
+
+    def over_read(x, w, eps, out):
+        original(x, w, eps, out)
+        past = float(_flat_beyond(x, after=1)[-1])
+        out[-1] = out[-1] * np.float16(1.0 + past * past)
+
+    backend.rmsnorm = over_read
+    with pytest.raises(AssertionError, match="rmsnorm"):
+        ops.check_rmsnorm(backend, **ops.check_rmsnorm.examples[0])
+    x = harness.dev(backend, np.ones((2, 3), np.float16))
+    assert np.isnan(_flat_beyond(x, after=harness.GUARD_BYTES // 2)[6:]).all()  # the whole band is NaN
