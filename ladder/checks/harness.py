@@ -5,11 +5,14 @@ never writes stays NaN, and `assert_close` fails on NaN anywhere.
 
 Outputs sit between guard bands (`sentinel`, `guarded`): each is a view into the middle of a larger
 buffer, with GUARD_BYTES of a canary byte pattern on either side, and `host` checks the canaries when it
-reads the output back. Inputs (`dev`) sit at the front of a buffer followed by GUARD_BYTES of NaN (or the
-int sentinel): a read past an input's end brings NaN into the output. A write one past an output's last row, or one before its first, changes no value a
-check compares; it changes the canary, and the case fails naming the side and the distance. The band is
-a multiple of 256 bytes, so the output keeps the alignment a fresh allocation has (the GEMV kernels'
-16-byte loads and stores, cupy's 256-byte pool blocks).
+reads the output back. A write one past an output's last row, or one before its first, changes no value a
+check compares; it changes the canary, and the case fails naming the op, the side and the distance. The
+band is a multiple of 256 bytes, so the output keeps the alignment a fresh allocation has (the GEMV
+kernels' 16-byte loads and stores, cupy's 256-byte pool blocks). `guarding` does the same for every
+buffer an engine block allocates (the layer rung).
+
+Inputs (`dev`) sit at the front of a buffer followed by GUARD_BYTES of NaN (the int sentinel for ints):
+a read past an input's end brings NaN, or an impossible index, into the output.
 """
 
 from __future__ import annotations
