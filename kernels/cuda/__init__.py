@@ -195,8 +195,8 @@ class CudaBackend(Backend):
         the four formats' 412 cases took 105 s with 2 workers (two formats each, in turn). Whatever the
         model's size: on a 0.5B-shape model 16 workers (one per host core, each format's cases spread over
         all of them) ran the graph rung at the rate 4 did (2.9 cases a second on a first run; 68 s for
-        412 cases on a second), each case 3.4x slower, and the layer rung in 37-40 s as 4 did in 40-45,
-        with GPU memory at 78 GB instead of 30 and host memory at 46 GB instead of 29."""
+        412 cases on a second), each case about three times as long, and the layer rung in 37-40 s as 4
+        did in 40-45, with GPU memory at 78 GB instead of 30 and host memory at 46 GB instead of 29."""
         return 4 * cp.cuda.runtime.getDeviceCount()
 
     @classmethod
