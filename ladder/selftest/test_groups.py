@@ -56,10 +56,10 @@ def _two_workers(tmp_path: Path, plugin: str, source: str, *args: str, timeout: 
                           timeout=timeout)
 
 
-def _workers(tmp_path: Path, *args: str, **env: str) -> dict[str, str]:
+def _workers(tmp_path: Path, *args: str) -> dict[str, str]:
     """test name (the part after `::`) -> the pytest-xdist worker that ran it, from a two-worker run."""
     log = tmp_path / "workers.tsv"
-    r = _two_workers(tmp_path, "worker_log", WORKER_LOG, *args, NANOQWEN_WORKER_LOG=str(log), **env)
+    r = _two_workers(tmp_path, "worker_log", WORKER_LOG, *args, NANOQWEN_WORKER_LOG=str(log))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     lines = [line.split("\t") for line in log.read_text().splitlines()]
     return {nodeid.split("::", 1)[1]: worker for nodeid, worker in lines}
@@ -73,25 +73,20 @@ def _by(got: dict[str, str], key) -> dict[str, set[str]]:
     return dict(out)
 
 
-def _layer_and_unit(tmp_path: Path, **env: str) -> tuple[dict[str, set[str]], dict[str, str]]:
-    """(format -> the workers that ran its golden layer cases, unit case -> its worker) from a two-worker run."""
+@skip_inside_nested_run
+def test_a_format_keeps_its_model_bound_cases_on_one_worker_and_unit_cases_spread(tmp_path):
     got = _workers(tmp_path, str(REPO / "ladder" / "layer" / "test_layer.py") + "::test_block_matches_golden_activations",
                    *(str(REPO / "ladder" / "unit" / f) for f in ("test_format_int4.py", "test_kv_cache.py")),
-                   "--backend", "numpy", **env)
+                   "--backend", "numpy")  # two workers, four formats: every format keeps to one worker
     layer = {n: w for n, w in got.items() if "golden" in n}  # ...[numpy-FORMAT-layerN-...]
     fmt = lambda n: n.split("[numpy-")[1].split("-layer")[0]  # noqa: E731
     cases = Counter(fmt(n) for n in layer)
     assert len(cases) == 4 and min(cases.values()) >= 2, cases  # four formats, two cases or more each
+    per_format = _by(layer, fmt)
+    assert all(len(workers) == 1 for workers in per_format.values()), per_format
     unit = {n: w for n, w in got.items() if n not in layer}
     # free cases go to whichever worker is idle: with seventeen of them, both workers take some
     assert len(unit) >= 15 and len(set(unit.values())) == 2, unit
-    return _by(layer, fmt), unit
-
-
-@skip_inside_nested_run
-def test_a_format_keeps_its_model_bound_cases_on_one_worker_and_unit_cases_spread(tmp_path):
-    per_format, _ = _layer_and_unit(tmp_path)  # two workers, four formats
-    assert all(len(workers) == 1 for workers in per_format.values()), per_format
 
 
 class _Config:
@@ -104,19 +99,26 @@ class _Config:
         return self.options[name]
 
 
-@pytest.mark.parametrize("workers, spread_below, grouped", [
-    ("2", None, True),  # no more workers than the four formats: each has one to itself
-    ("16", None, False),  # a small model, workers to spare: its cases spread
-    ("16", "0", True),  # every model counts as large
-    ("1", None, True),
+@pytest.mark.parametrize("workers, model, spread_below, grouped", [
+    ("2", None, None, True),  # no more workers than the four formats: each has one to itself
+    ("16", None, None, False),  # a small model (the default), workers to spare: its cases spread
+    ("16", "qwen2.5-coder-7b", None, True),  # a large model: one worker builds each format once
+    ("16", None, "0", True),  # every model counts as large
+    ("1", None, None, True),
 ])
-def test_a_small_model_s_formats_spread_only_over_workers_to_spare(monkeypatch, workers, spread_below, grouped):
+def test_a_small_model_s_formats_spread_only_over_workers_to_spare(monkeypatch, tmp_path, workers, model,
+                                                                  spread_below, grouped):
+    import json
+
+    from engine.config import SHAPES
     from ladder.plugin.groups import by_format
 
+    if model is not None:  # a Hugging Face folder of that shape: its config is all that is read
+        (tmp_path / "config.json").write_text(json.dumps(SHAPES[model].to_hf_dict()))
     monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", workers)
     if spread_below is not None:
         monkeypatch.setenv("NANOQWEN_SPREAD_BELOW", spread_below)
-    assert by_format(_Config()) is grouped
+    assert by_format(_Config(None if model is None else str(tmp_path))) is grouped
 
 
 @skip_inside_nested_run
