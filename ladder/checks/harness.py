@@ -109,6 +109,8 @@ def guarding(backend, what: str):
         yield
     finally:
         del backend.empty, backend.full  # the class's own again
+        for entry in made:  # checked below from `made`: the unit rung's table of outputs keeps none of them
+            _GUARDED.pop(id(entry[0]), None)
     backend.synchronize()
     for entry in made:
         _check_bands(backend, entry, f"{what} wrote outside a buffer")
