@@ -47,25 +47,34 @@ _GUARDED: dict[int, tuple] = {}  # id(output view) -> (the view, its whole buffe
 _MAX_GUARDED = 64  # outputs whose bands are not yet checked (a check that never reads one back leaks none)
 
 
+def _filled(shape, dtype) -> np.ndarray:
+    dtype = np.dtype(dtype)
+    return np.full(shape, np.nan if dtype.kind == "f" else INT_SENTINEL, dtype)
+
+
 def sentinel(backend, shape, dtype):
     """An output filled with the sentinel, between guard bands."""
-    dtype = np.dtype(dtype)
-    return guarded(backend, np.full(shape, np.nan if dtype.kind == "f" else INT_SENTINEL, dtype))
+    return guarded(backend, _filled(shape, dtype))
 
 
 def guarded(backend, a: np.ndarray):
     """The backend's copy of host array `a` (an output, or a buffer an op updates in place) between guard
     bands, checked by `host` when it is read back."""
+    entry = _banded(backend, a)
+    if len(_GUARDED) >= _MAX_GUARDED:
+        _GUARDED.pop(next(iter(_GUARDED)))
+    _GUARDED[id(entry[0])] = entry
+    return entry[0]
+
+
+def _banded(backend, a: np.ndarray) -> tuple:
+    """(view, its whole buffer, the band in elements): the backend's copy of `a` between canary bands."""
     a = np.ascontiguousarray(a)
     band = GUARD_BYTES // a.itemsize
     buf = np.frombuffer(bytes([CANARY]) * ((a.size + 2 * band) * a.itemsize), dtype=a.dtype).copy()
     buf[band:band + a.size] = a.reshape(-1)
     whole = backend.asarray(buf)
-    view = whole[band:band + a.size].reshape(a.shape)
-    if len(_GUARDED) >= _MAX_GUARDED:
-        _GUARDED.pop(next(iter(_GUARDED)))
-    _GUARDED[id(view)] = (view, whole, band)
-    return view
+    return whole[band:band + a.size].reshape(a.shape), whole, band
 
 
 def check_guards(backend, a, op: str | None = None) -> None:
@@ -97,20 +106,18 @@ def guarding(backend, what: str):
     cache pages: what the layer rung's ops write) is a view between guard bands, `empty`'s filled with the
     sentinel; on leaving without an error, every band is checked, and the first changed one fails naming
     `what` and the buffer. Leaves the backend as it was."""
-    made = []
+    made = []  # their own list: the outputs' table (`host`) neither keeps nor evicts for them
 
-    def keep(view):
-        made.append(_GUARDED[id(view)])
-        return view
+    def keep(a):
+        made.append(_banded(backend, a))
+        return made[-1][0]
 
-    backend.empty = lambda shape, dtype: keep(sentinel(backend, shape, dtype))
-    backend.full = lambda shape, value, dtype: keep(guarded(backend, np.full(shape, value, np.dtype(dtype))))
+    backend.empty = lambda shape, dtype: keep(_filled(shape, dtype))
+    backend.full = lambda shape, value, dtype: keep(np.full(shape, value, np.dtype(dtype)))
     try:
         yield
     finally:
         del backend.empty, backend.full  # the class's own again
-        for entry in made:  # checked below from `made`: the unit rung's table of outputs keeps none of them
-            _GUARDED.pop(id(entry[0]), None)
     backend.synchronize()
     for entry in made:
         _check_bands(backend, entry, f"{what} wrote outside a buffer")
