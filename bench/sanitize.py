@@ -123,9 +123,10 @@ def run_ops(be, say=lambda line: print(line, flush=True)) -> None:
     ops.check_attention_decode(be, PagedCase.build(seed=33, L=33, T=1, nq=14, nkv=2, d=128, layout="sparse"))
     on_examples(ops.check_lm_head, dict(V=4096, H=256, seed=1))
     from ladder.changes.sources import cuda_module  # the catalog by file path: no CuPy on the NumPy backend
+    from ladder.checks.edges import lm_head_tail
 
-    per_block, per_warp, stride = cuda_module("catalog").lm_head_tiling()  # its tail: a partial warp, a wrapped loop, T = 3
-    ops.check_lm_head(be, V=2 * per_block + per_warp + 1, H=stride + 8, seed=4, T=3)
+    V, H = lm_head_tail(*cuda_module("catalog").lm_head_tiling())  # a partial warp, a wrapped loop, T = 3
+    ops.check_lm_head(be, V=V, H=H, seed=4, T=3)
     on_examples(ops.check_argmax, dict(V=1, ties=0, seed=2), dict(V=2, ties=5, seed=3))
     on_examples(ops.check_decode_advance)
 

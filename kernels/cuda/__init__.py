@@ -51,14 +51,14 @@ _LAUNCHERS = {name: importlib.import_module(f"kernels.cuda.{name}") for name in 
 LINEARS = {name: mod.LINEAR for name, mod in _LAUNCHERS.items()}
 # the prefill kernel of each launcher that ships more than one (its PREFILL_VARIANTS)
 DEFAULT_PREFILL = {name: mod.DEFAULT_PREFILL for name, mod in _LAUNCHERS.items() if hasattr(mod, "DEFAULT_PREFILL")}
-PAGE = 16
-_LM = catalog.defines("embed_lmhead_argmax.cu")  # the kernel's own tiling: one reading, not a copy
+_LM = catalog.defines("embed_lmhead_argmax.cu")  # the kernels' own tiling: one reading, not a copy
 LM_WARPS, LM_ROWS = _LM["LM_WARPS"], _LM["LM_ROWS"]
 _ATT = catalog.defines("paged_attention.cu")
+PAGE = _ATT["PAGE"]
 ATT_THREADS, ATT_MAX_ITEMS = _ATT["ATT_THREADS"], _ATT["ATT_MAX_ITEMS"]  # paged_attention_f16
 ATT_WARPS, ATT_MAX_GROUP = _ATT["ATT_WARPS"], _ATT["ATT_MAX_GROUP"]  # paged_attention_warp_d<D>
 ATT_WARP_HEAD_DIMS = (64, 128)
-COMBINE_THREADS, COMBINE_MAX_SPLITS = 256, 512  # must match paged_attention.cu (attention_combine_f16)
+COMBINE_THREADS, COMBINE_MAX_SPLITS = _ATT["COMBINE_THREADS"], _ATT["COMBINE_MAX_SPLITS"]  # attention_combine_f16
 # "warp": paged_attention_warp_d<D> where it fits (head_dim 64 or 128, at most 8 query heads per KV
 # head), else "block"; "block": paged_attention_f16 always (the previous kernel, kept for any shape)
 ATTENTION_VARIANTS = ("warp", "block")

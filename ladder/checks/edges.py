@@ -30,6 +30,13 @@ def lm_head_edges(per_block: int, per_warp: int, stride: int, step: int = 8) -> 
     rows and a block's, and past two blocks by a partial warp, with the hidden size one step past a
     stride; then hidden sizes short of, on and past one stride of the warp's loop and past two, with the
     vocab one row into a second block."""
-    vocab = sorted({per_warp - 1, per_warp + 1, per_block - 1, per_block, per_block + 1, 2 * per_block + per_warp + 1})
+    vocab = sorted({per_warp - 1, per_warp + 1, per_block - 1, per_block, per_block + 1,
+                    lm_head_tail(per_block, per_warp, stride, step)[0]})
     pairs = [(v, stride + step) for v in vocab if v >= 1]
     return pairs + [(per_block + 1, h) for h in (stride - step, stride, 2 * stride + step) if h >= step]
+
+
+def lm_head_tail(per_block: int, per_warp: int, stride: int, step: int = 8) -> tuple[int, int]:
+    """The lm_head shape past both edges at once (two blocks and a partial warp of vocab rows, a warp's
+    loop wrapped once): what a sanitizer runs."""
+    return 2 * per_block + per_warp + 1, stride + step

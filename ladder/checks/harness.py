@@ -47,9 +47,14 @@ _GUARDED: dict[int, tuple] = {}  # id(output view) -> (the view, its whole buffe
 _MAX_GUARDED = 64  # outputs whose bands are not yet checked (a check that never reads one back leaks none)
 
 
+def _fill_value(dtype: np.dtype):
+    """The sentinel of a dtype: NaN for floats, INT_SENTINEL for signed ints, the largest unsigned value."""
+    return np.nan if dtype.kind == "f" else INT_SENTINEL if dtype.kind == "i" else np.iinfo(dtype).max
+
+
 def _filled(shape, dtype) -> np.ndarray:
     dtype = np.dtype(dtype)
-    return np.full(shape, np.nan if dtype.kind == "f" else INT_SENTINEL, dtype)
+    return np.full(shape, _fill_value(dtype), dtype)
 
 
 def sentinel(backend, shape, dtype):
@@ -136,8 +141,7 @@ def _trailed(backend, a):
     a = np.ascontiguousarray(a)
     if a.dtype.kind not in "fiu" or a.size == 0:
         return backend.asarray(a)
-    fill = np.nan if a.dtype.kind == "f" else (INT_SENTINEL if a.dtype.kind == "i" else np.iinfo(a.dtype).max)
-    buf = np.full(a.size + GUARD_BYTES // a.itemsize, fill, dtype=a.dtype)
+    buf = _filled(a.size + GUARD_BYTES // a.itemsize, a.dtype)
     buf[:a.size] = a.reshape(-1)
     return backend.asarray(buf)[:a.size].reshape(a.shape)
 
