@@ -170,7 +170,18 @@ def test_mutants_left_when_the_budget_is_spent_are_not_run_and_not_scored():
     assert summary["total"]["not_run"] == 2 and summary["total"]["score"] is None
     report = {"meta": {"backend": "numpy", "rungs": ["unit"], "run": 2, "candidates": 2, "seed": 0, "seconds": 0.0},
               "summary": summary, "mutants": results, "equivalents": {}}
-    assert "2 mutants were not run: the --budget" in markdown(report)
+    assert "2 mutants were not run: the time given (--budget, --within) was spent" in markdown(report)
+
+
+def test_within_counts_from_the_command_start_and_budget_from_the_first_mutant():
+    from ladder.tools.mutate import WITHIN_MARGIN, limits
+
+    assert limits(None, None, started=100.0, t0=110.0) is None
+    assert limits(120.0, None, started=100.0, t0=110.0) == (230.0, 290.0)  # the cut max(60 s, B/2) later
+    assert limits(300.0, None, started=100.0, t0=110.0) == (410.0, 560.0)
+    starts, cut = limits(None, 150.0, started=100.0, t0=110.0)  # the set-up's 10 s are inside the 150
+    assert (starts, cut) == (200.0, 250.0 - WITHIN_MARGIN)
+    assert limits(120.0, 150.0, started=100.0, t0=110.0) == (200.0, 250.0 - WITHIN_MARGIN)  # the earlier of each
 
 
 @skip_inside_nested_run
@@ -191,6 +202,8 @@ def test_rungs_red_on_the_unmutated_tree_refuse_the_run(tmp_path):
     (["--rerun", "no-such-folder"], "--rerun"),
     (["--sample", "0"], "--sample"),
     (["--sample", "3", "--seed", "tomorrow"], "--seed"),
+    (["--within", "10"], "--within"),
+    (["--within", "soon"], "--within"),
 ])
 def test_bad_mutate_arguments_are_one_line_and_exit_2(args, needle, tmp_path):
     r = subprocess.run([sys.executable, "-m", "ladder", "mutate", *args], cwd=tmp_path, capture_output=True, text=True,

@@ -22,7 +22,8 @@ Outcomes:
 - `did_not_compile` (a Python mutant that no longer parses, a CUDA mutant NVRTC refuses): not scored,
 - `not_launched`: no case of the rungs run launches the mutated function; not run, not scored, listed,
 - `not_run`: left when the --budget of wall time was spent, or cut at its hard stop (max(60 s, budget/2)
-  later); not scored, counted,
+  later; with --within W, no mutant starts after 2/3 of W and the cut comes at W, both counted from the
+  command's start); not scored, counted,
 - `equivalent`: on the reviewed list of ladder/tools/equivalent_mutants.json (a signature and the reason
   it cannot change any output); not run, not scored, shown in the report.
 
@@ -69,6 +70,7 @@ CASE_ALLOWANCE = 20.0  # the watchdog: a case hangs past 20 s + 3x its clean tim
 # automatic timeout (memcheck slows a kernel 10 to 100 times).
 SECOND_LOOK = ("memcheck", "racecheck")
 SANITIZER_FACTOR = 4.0
+WITHIN_MARGIN = 5.0  # seconds of --within kept for writing the report after the cut
 
 
 class MutateArgumentError(NanoqwenError):
@@ -374,12 +376,29 @@ def _user_kernel_cache() -> Path:
     return Path(os.environ.get("CUPY_CACHE_DIR") or Path.home() / ".cupy" / "kernel_cache")
 
 
+def limits(budget: float | None, within: float | None, started: float, t0: float) -> tuple[float, float] | None:
+    """(start no mutant after, cut a running one at), perf_counter times, or None for no limit. --budget B
+    counts from the first mutant (t0): starts until B, the cut max(60 s, B/2) later. --within W counts from
+    the command's start (`started`), so the set-up is inside it: starts until 2/3 of W, the cut at W less
+    WITHIN_MARGIN for the report. With both, the earlier of each."""
+    found = []
+    if budget is not None:
+        found.append((t0 + budget, t0 + budget + max(60.0, budget / 2)))
+    if within is not None:
+        found.append((started + 2 * within / 3, started + within - WITHIN_MARGIN))
+    if not found:
+        return None
+    return min(f[0] for f in found), min(f[1] for f in found)
+
+
 def run(mutants: list[Mutant], backend: str, rungs, jobs: int, timeout: float, extra: list[str], log=print,
-        launches: tuple[dict, dict] | None = None, budget: float | None = None) -> list[dict]:
+        launches: tuple[dict, dict] | None = None, budget: float | None = None, within: float | None = None,
+        started: float | None = None) -> list[dict]:
     """Each mutant's record (its fields, outcome, the rung that killed it, seconds, cases run). `launches`:
-    the (maps, seconds) of a green report (map_from_report) instead of the clean run. `budget`: seconds of
-    wall time after which no further mutant starts; those left get the outcome `not_run` (not scored), and
-    so does a mutant still running at the hard stop, max(60 s, budget / 2) later."""
+    the (maps, seconds) of a green report (map_from_report) instead of the clean run. `budget` and `within`
+    (seconds from `started`, the command's perf_counter start): see `limits`. A mutant left when no more may
+    start gets the outcome `not_run` (not scored), and so does one still running at the cut."""
+    started = time.perf_counter() if started is None else started
     results: list[dict] = []
     if not mutants:
         return results
@@ -409,16 +428,18 @@ def run(mutants: list[Mutant], backend: str, rungs, jobs: int, timeout: float, e
                 w.sanitizer = sanitizer
         free = list(workers)
         t0 = time.perf_counter()
-        if budget is not None:  # a mutant still running at the budget gets a grace, then is cut and not run
+        bounds = limits(budget, within, started, t0)
+        if bounds is not None:  # a mutant still running when starts end gets a grace, then is cut and not run
             for w in workers:
-                w.stop_at = t0 + budget + max(60.0, budget / 2)
+                w.stop_at = bounds[1]
         try:
             with concurrent.futures.ThreadPoolExecutor(len(workers)) as pool:
                 pending = {}
                 queue = list(mutants)
                 while queue or pending:
-                    if budget is not None and queue and time.perf_counter() - t0 > budget:
-                        log(f"the --budget of {budget:.0f} s is spent: {len(queue)} mutants not run")
+                    if bounds is not None and queue and time.perf_counter() > bounds[0]:
+                        spent = f"--budget of {budget:.0f} s" if budget is not None else f"2/3 of --within {within:.0f} s"
+                        log(f"the {spent} is spent: {len(queue)} mutants not run")
                         results += [{**m.record(), "outcome": "not_run", "rung": None, "seconds": 0.0, "cases": 0}
                                     for m in queue]
                         queue = []
@@ -453,6 +474,7 @@ def run(mutants: list[Mutant], backend: str, rungs, jobs: int, timeout: float, e
 
 
 def _run(args) -> int:
+    started = time.perf_counter()  # --within counts from here: the set-up and the workers' copies are inside it
     from kernels import backend_available
 
     try:
@@ -496,7 +518,7 @@ def _run(args) -> int:
     t0 = time.perf_counter()
     try:
         results = run(chosen, args.backend, rungs, args.workers, args.timeout, extra, log=lambda s: print(s, flush=True),
-                      launches=launches, budget=args.budget)
+                      launches=launches, budget=args.budget, within=args.within, started=started)
     except NanoqwenError as e:
         print(f"nanoqwen: error: {e}", file=sys.stderr)
         return 2
@@ -571,6 +593,9 @@ def register(subparsers) -> None:
     m.add_argument("--budget", type=float, metavar="SECONDS", help="start no mutant after this many seconds of "
                    "mutants, and cut one still running max(60, SECONDS/2) later; those are reported as not run "
                    "and not scored (a nightly that must end on time)")
+    m.add_argument("--within", type=_seconds, metavar="SECONDS", help="the whole command ends within this many "
+                   "seconds of its start: no mutant starts after 2/3 of them, one still running is cut at the end; "
+                   "those are reported as not run and not scored (the nightly gives each sample the time it has left)")
     m.add_argument("--list", action="store_true", help="list the chosen mutants and stop")
     m.add_argument("pytest_args", nargs="*", metavar="-- PYTEST ARGS", help="passed to every rung's pytest")
     m.set_defaults(func=_run)
@@ -586,6 +611,19 @@ def _seed(text: str) -> int:
     from engine.cli import int_at_least
 
     return int_at_least(0, "a non-negative integer, 'random' or 'date'")(text)
+
+
+def _seconds(text: str) -> float:
+    """--within: a number of seconds, at least 3 x WITHIN_MARGIN (less leaves no time for a mutant)."""
+    import argparse
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value >= 3 * WITHIN_MARGIN:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds of at least {3 * WITHIN_MARGIN:.0f}, got {text!r}")
+    return value
 
 
 def _positive(text: str) -> int:

@@ -109,7 +109,7 @@ def markdown(report: dict) -> str:
              f"Backend `{meta['backend']}`, rungs {', '.join(meta['rungs'])}, {meta['run']} of {meta['candidates']} "
              f"mutants run (seed {meta['seed']}), {meta['seconds']:.0f} s. Score = detected / (detected + survived); "
              "mutants that do not compile, that sit in code no case launches, and reviewed equivalents are not scored."
-             + (f" {s['total']['not_run']} mutants were not run: the --budget of wall time was spent."
+             + (f" {s['total']['not_run']} mutants were not run: the time given (--budget, --within) was spent."
                 if s["total"].get("not_run") else ""), "",
              "| file | killed | timed out | survived | did not compile | not launched | equivalent | score |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
