@@ -46,7 +46,7 @@ from fixtures.prompts import default_prompts_path, prompts_for_model, read_promp
 from ladder.judges.reference_store import KeptReferences, bounds_key, load_or_derive
 from ladder.judges.compare import rerun_command
 from ladder.judges.tokens import (GraphBounds, compare_greedy, derive_bounds, engine_logits, spread_by_length,
-                           reference_greedy, tokens_to_generate)
+                           reference_greedy_batch, tokens_to_generate)
 from engine.progress import Progress, progress_bar
 from fixtures.dequantized import dequantized_weights
 
@@ -72,12 +72,15 @@ def prompts(request, model_path):
 
 class ReferenceRuns:
     """The HF simulation of one model, built on first use on the reference's device (reference/hf.py
-    `model_device`: the GPU where torch sees one); each prompt's greedy run computed once on this
-    machine and kept (ladder/judges/reference_store.py KeptReferences). Building it and the runs it computes
-    print progress lines with the time left (engine/progress.py: through the ladder's progress folder,
-    since a worker's stderr is captured)."""
+    `model_device`: the GPU where torch sees one). Each prompt's greedy run is computed once on this
+    machine and kept (ladder/judges/reference_store.py KeptReferences); the first one asked for brings the
+    runs of every prompt `planned` (the run's prompts of this format and the floor prompts) that are not
+    kept yet, computed together in batches (ladder/judges/tokens.py `reference_greedy_batch`): a prompt at
+    a time, a small model's run was all per-step overhead, and four workers' runs took turns on the GPU.
+    Building it and the runs print progress lines with the time left (engine/progress.py: through the
+    ladder's progress folder, since a worker's stderr is captured)."""
 
-    def __init__(self, model_path, new_tokens: int | None = None, prompts: int | None = None):
+    def __init__(self, model_path, new_tokens: int | None = None, planned=()):
         self.model_path = model_path
         self.new_tokens = new_tokens  # --new-tokens, else each prompt's new_tokens_for
         self.config = self.weights = None  # the dequantized weights, shared with the floor
@@ -87,8 +90,7 @@ class ReferenceRuns:
         self.label = f"{mf.quant}"
         self._kept = KeptReferences(model_path)
         self._runs = {}
-        self._prompts = prompts  # how many this process will ask for, for the estimate of the time left
-        self._progress = None  # from the first run on (the simulation's building has its own line)
+        self._planned = list(planned)  # the prompts this process will ask for (Prompt objects), brought together
 
     def dequantized(self) -> tuple[dict, dict]:
         """(config dict, HF name -> float32 weights): what the simulation and the floor's plain forward
@@ -126,28 +128,38 @@ class ReferenceRuns:
 
     def get(self, prompt):
         if prompt.id not in self._runs:
-            bad = [t for t in prompt.ids if t >= self._vocab]
-            if bad:
-                raise ValueError(f"prompt {prompt.id!r} holds token id {bad[0]}, outside the model's vocab of "
-                                 f"{self._vocab}: is --prompts meant for another model?")
-            n_new = tokens_to_generate(len(prompt.ids), self.new_tokens)
-            self._runs[prompt.id] = self._kept.get(prompt.ids, n_new, lambda: self._run(prompt.ids, n_new))
+            wanted = [prompt, *(p for p in self._planned if p.id != prompt.id and p.id not in self._runs)]
+            self._planned = []  # brought once; a prompt outside the plan (another -k) comes on its own
+            for p in wanted:
+                bad = [t for t in p.ids if t >= self._vocab]
+                if bad:
+                    raise ValueError(f"prompt {p.id!r} holds token id {bad[0]}, outside the model's vocab of "
+                                     f"{self._vocab}: is --prompts meant for another model?")
+            items = [(p.ids, tokens_to_generate(len(p.ids), self.new_tokens)) for p in wanted]
+            for p, ref in zip(wanted, self._kept.get_many(items, self._run)):
+                self._runs[p.id] = ref
         return self._runs[prompt.id]
 
-    def _run(self, ids, n_new: int):
-        import torch
-
+    def _run(self, items):
+        """The greedy runs of `items` ((ids, n_new) pairs), batched, with progress by batch."""
         hf = self.model()
-        if self._progress is None:
-            self._progress = Progress(f"HF simulation [{self.label}]", self._prompts, "prompts run")
-        before = torch.get_num_threads()
-        torch.set_num_threads(self._threads)
+        progress = Progress(f"HF simulation [{self.label}]", len(items), "prompts run")
+        before = torch_threads(self._threads)
         try:
-            with self._progress.working(f"prompt of {len(ids)} tokens"):
-                return reference_greedy(hf, ids, n_new)
+            with progress.working(f"{len(items)} prompts, batched"):
+                return reference_greedy_batch(hf, [ids for ids, _ in items], [n for _, n in items], done=progress.step)
         finally:
-            torch.set_num_threads(before)
-            self._progress.step()
+            torch_threads(before)
+            progress.finish()
+
+
+def torch_threads(n: int) -> int:
+    """Set torch's intra-op threads to `n`; the number before."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    return before
 
 
 # A worker that runs several formats' tests (pytest-xdist hands them out in chunks) switches the
@@ -159,29 +171,25 @@ _REFERENCES: dict[tuple, ReferenceRuns] = {}
 _BOUNDS: dict[tuple, GraphBounds] = {}
 
 
-def _prompts_of(session, quant: str, floor_ids) -> int:
-    """About how many prompts this process will run the simulation on in format `quant`, for the estimate
-    of the time left: the floor prompts, and the run's selected prompts of the format, all of them when
-    the format's cases keep to one worker (several formats of a large model: ladder/plugin/groups.py), else
-    this worker's share."""
-    from ladder.plugin.groups import by_format
-
-    items = [item for item in session.items if getattr(item, "callspec", None) is not None
-             and "prompt_id" in item.callspec.params and item.callspec.params.get("quant_name") == quant]
-    ids = {item.callspec.params["prompt_id"] for item in items}
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    grouped = by_format(session.config)
-    share = len(ids) if grouped else -(-len(ids) // workers)
-    return share + len(set(floor_ids) - ids)
+def _planned(session, quant: str, prompts: dict, floor) -> list:
+    """The prompts this process will run the simulation on in format `quant`: the floor prompts and the
+    run's selected prompts of the format. All of them also where a format's cases are spread over several
+    workers: the first worker to ask computes them in one batch and keeps them, the others wait and read
+    (ladder/judges/reference_store.py `get_many`), which costs less than each computing its share."""
+    ids = {item.callspec.params["prompt_id"] for item in session.items
+           if getattr(item, "callspec", None) is not None and "prompt_id" in item.callspec.params
+           and item.callspec.params.get("quant_name") == quant}
+    chosen = {p.id for p in floor}
+    return [*floor, *(p for pid, p in prompts.items() if pid in ids and pid not in chosen)]
 
 
 @pytest.fixture(scope="session")
 def references(request, model_path, quant_name, prompts):
     key = (str(model_path), request.config.getoption("--new-tokens"))
     if key not in _REFERENCES:
-        floor = [p.id for p in spread_by_length(prompts.values())]
+        floor = spread_by_length(prompts.values())
         _REFERENCES[key] = ReferenceRuns(model_path, request.config.getoption("--new-tokens"),
-                                         prompts=_prompts_of(request.session, quant_name, floor))
+                                         planned=_planned(request.session, quant_name, prompts, floor))
     yield _REFERENCES[key]
     _REFERENCES[key].release()
 

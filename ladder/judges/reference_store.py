@@ -1,14 +1,15 @@
 """The references' results, computed once per machine and kept: the graph rung's bounds and the HF
-simulation's greedy runs (ladder/judges/tokens.py `derive_bounds`, `reference_greedy`), and the layer rung's HF
+simulation's greedy runs (ladder/judges/tokens.py `derive_bounds`, `reference_greedy_batch`), and the layer rung's HF
 decoder-layer outputs (reference/hf.py `hf_block_outputs`).
 
 All are pure functions of their inputs and all cost more than the engine's own checks. The HF
-simulation's greedy run on one prompt takes about 0.12 s of a CPU thread on the default model: 11.7 s for
-the 100 prompts of one format on an H200 host, against 4 s for the engine's eager and graph runs of
-them on the GPU. Measuring a model's bounds adds a plain forward on each floor prompt: seconds on the
-default model, minutes at the 0.5B shape on a CPU. Importing transformers for a layer rung's first
-block costs 3.6 s of a CI core. And every pytest-xdist worker, later run, shard, bisect step and mutant
-asks for the same ones.
+simulation's greedy runs of the 100 prompts of one format of the default model take about 9 s of one CPU
+thread batched (27 to 31 s a prompt at a time), against 4 s for the engine's eager and graph runs of them
+on an H200. At the 0.5B shape on an H200 a prompt at a time took 0.8 s, with four workers sharing the GPU.
+Measuring a model's bounds adds a plain forward on each floor prompt: seconds on the default model,
+minutes at the 0.5B shape on a CPU. Importing transformers for a layer rung's first block costs 3.6 s
+of a CI core. And every pytest-xdist worker, later run, shard, bisect step and mutant asks for the same
+ones.
 
 So they are kept under the nanoqwen cache folder, keyed by everything they depend on: the model's
 fingerprint (its format, config and tensor checksums) or, for a block, the digest of its weights and
@@ -21,9 +22,11 @@ not what it is checked against).
 - Bounds (`graph-bounds/KEY.json`): the first worker to need them measures them while holding a lock file
   (its process id and host inside); the others wait for its result, and later runs read it. A lock whose
   process is gone (a killed run) is taken over at once.
-- Reference runs (`graph-references/MODEL_KEY/PROMPT_KEY.npz`, tokens and float32 logits) and block
-  outputs (`layer-references/KEY.npz`): no lock (one worker holds a model's prompts); two processes that
-  compute the same item write the same values, and the later replace wins. The most recently used
+- Reference runs (`graph-references/MODEL_KEY/PROMPT_KEY.npz`, tokens and float32 logits): computed
+  together, all the prompts of a model a run asks for in one batched run (`get_many`), by one process at
+  a time holding `graph-references/.MODEL_KEY.lock`; a worker that needs the same prompts waits and reads
+  them. Block outputs (`layer-references/KEY.npz`): no lock; two processes that compute the same item
+  write the same values, and the later replace wins. The most recently used
   models' folders, and block files, are kept up to KEPT_BYTES each.
 
 Every file is written to a temporary name and renamed into place. `NANOQWEN_FRESH_REFERENCES=1`
@@ -32,6 +35,7 @@ computes and writes everything again without reading what is kept (to check the 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -123,34 +127,42 @@ def _abandoned(lock: Path) -> bool:
     return age > STALE_LOCK_SECONDS
 
 
-def load_or_derive(key: str, derive: Callable[[], GraphBounds], poll: float = 0.5) -> GraphBounds:
-    """The kept bounds of `key`, else derive them (one process at a time: the others wait) and keep them."""
-    folder = kept_root(BOUNDS)
-    folder.mkdir(parents=True, exist_ok=True)
-    path, lock = folder / f"{key}.json", folder / f"{key}.lock"
+@contextlib.contextmanager
+def held(lock: Path, poll: float = 0.5):
+    """Hold the lock file `lock` (its process id and host inside) for the block, waiting while another
+    process holds it; a lock whose process is gone (`_abandoned`) is taken over at once."""
     while True:
-        if path.exists() and not _fresh():
-            return GraphBounds.from_record(json.loads(path.read_text()))
         try:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            break
         except FileExistsError:
             if _abandoned(lock):
                 lock.unlink(missing_ok=True)
             else:
                 time.sleep(poll)
-            continue
-        try:
-            os.write(fd, f"{os.getpid()} {socket.gethostname()}".encode())
-            os.close(fd)
-            if path.exists() and not _fresh():  # kept by a process that held the lock between our look and our lock
-                return GraphBounds.from_record(json.loads(path.read_text()))
-            bounds = derive()
-            tmp = folder / f".{key}.{os.getpid()}.tmp"
-            tmp.write_text(json.dumps(bounds.record()))
-            os.replace(tmp, path)
-            return bounds
-        finally:
-            lock.unlink(missing_ok=True)
+    try:
+        os.write(fd, f"{os.getpid()} {socket.gethostname()}".encode())
+        os.close(fd)
+        yield
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+def load_or_derive(key: str, derive: Callable[[], GraphBounds], poll: float = 0.5) -> GraphBounds:
+    """The kept bounds of `key`, else derive them (one process at a time: the others wait) and keep them."""
+    folder = kept_root(BOUNDS)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{key}.json"
+    if path.exists() and not _fresh():
+        return GraphBounds.from_record(json.loads(path.read_text()))
+    with held(folder / f"{key}.lock", poll):
+        if path.exists() and not _fresh():  # kept by the process that held the lock while we waited
+            return GraphBounds.from_record(json.loads(path.read_text()))
+        bounds = derive()
+        tmp = folder / f".{key}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(bounds.record()))
+        os.replace(tmp, path)
+        return bounds
 
 
 class KeptReferences:
@@ -163,16 +175,43 @@ class KeptReferences:
         self.folder = kept_root(REFERENCES) / _key("references", model_fingerprint(model_path))
         self._used = False
 
-    def get(self, ids, n_new: int, run: Callable[[], Reference]) -> Reference:
-        path = self.folder / (hashlib.sha256(json.dumps([list(map(int, ids)), int(n_new)]).encode()).hexdigest()[:24]
+    def _path(self, ids, n_new: int) -> Path:
+        return self.folder / (hashlib.sha256(json.dumps([list(map(int, ids)), int(n_new)]).encode()).hexdigest()[:24]
                               + ".npz")
-        kept = _read(path, "prompt_len", "tokens", "logits")
-        if kept is not None:
-            self._mark_used()
-            return Reference(int(kept[0]), kept[1], kept[2])
-        ref = run()
-        self._keep(path, ref)
+
+    def _kept(self, ids, n_new: int) -> Reference | None:
+        kept = _read(self._path(ids, n_new), "prompt_len", "tokens", "logits")
+        if kept is None:
+            return None
+        self._mark_used()
+        return Reference(int(kept[0]), kept[1], kept[2])
+
+    def get(self, ids, n_new: int, run: Callable[[], Reference]) -> Reference:
+        ref = self._kept(ids, n_new)
+        if ref is None:
+            ref = run()
+            self._keep(self._path(ids, n_new), ref)
         return ref
+
+    def get_many(self, items, run: Callable[[list], list[Reference]], poll: float = 0.5) -> list[Reference]:
+        """The runs of `items` ((ids, n_new) pairs): the kept ones read, the others computed together by
+        `run(missing items)` and kept. One process computes a model's runs at a time, holding a lock file
+        beside its folder: a worker that needs the same prompts waits, then reads what the first kept
+        (pytest-xdist workers that share a format's prompts compute them once, in one batch)."""
+        found = [self._kept(ids, n) for ids, n in items]
+        if all(r is not None for r in found):
+            return found
+        self.folder.parent.mkdir(parents=True, exist_ok=True)
+        with held(self.folder.parent / f".{self.folder.name}.lock", poll):  # a dot name: pruning passes it by
+            missing = [i for i, r in enumerate(found) if r is None]
+            for i in missing:  # kept by the process that held the lock while we waited
+                found[i] = self._kept(*items[i])
+            missing = [i for i in missing if found[i] is None]
+            if missing:
+                for i, ref in zip(missing, run([items[i] for i in missing])):
+                    self._keep(self._path(*items[i]), ref)
+                    found[i] = ref
+        return found
 
     def _mark_used(self) -> None:
         """The folder's time says when its model was last used (read or written): pruning goes by it."""

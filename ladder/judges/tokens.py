@@ -3,6 +3,7 @@ the HF simulation's, with near-ties judged by the reference's logit margin and t
 them, under bounds derived from the model's own noise floor.
 
     ref = reference_greedy(hf, prompt_ids, n_new)          # HF float32, its own KV cache, once per prompt
+    refs = reference_greedy_batch(hf, prompts, n_new)       # the same runs, many prompts batched
     bounds = derive_bounds(config, weights, runs)           # the model's floor on FLOOR_PROMPTS prompts
     logits = engine_logits(model, prompt_ids, ref.tokens)   # engine, fed the reference's tokens
     result = compare_greedy("p017", ref, logits, backend="numpy", bounds=bounds)
@@ -94,22 +95,78 @@ class Reference:
 def reference_greedy(hf, prompt_ids, n_new: int) -> Reference:
     """Greedy generation with transformers (float32, its own KV cache: one prefill, then a step per token),
     on the device the model was built on."""
+    return reference_greedy_batch(hf, [prompt_ids], [n_new])[0]
+
+
+BATCH_TOKENS = 4096  # prompts run together while rows x (longest prompt + new tokens) stays under this
+
+
+def reference_greedy_batch(hf, prompts, n_new, done=None) -> list[Reference]:
+    """`reference_greedy` of each prompt in `prompts` (token id lists; `n_new[i]` new tokens for the i-th),
+    run together: prompts of similar length in one batch, left-padded, one prefill and a step per token
+    for the whole batch. A model of a few million parameters spends its run in the per-step overhead of
+    transformers and torch, and a GPU in kernels far too small for it: one batch of 30 prompts costs about
+    one prompt's time.
+
+    Left padding changes no real row's values beyond float32 summation order: each row's padding is
+    masked out of its attention (`attention_mask`), and its positions start at 0 at its first real token
+    (`position_ids`), as in a run of its own. Rows that have their tokens go on with the batch, and only
+    their first n_new[i] logits are kept. Only the last position's logits are computed (the lm_head of the
+    final hidden state, as Qwen2ForCausalLM does for it), so a long prompt never holds [T, vocab] floats.
+    `done(n)`, if given, is called after each batch with its number of prompts (progress)."""
+    if len(prompts) != len(n_new):
+        raise ValueError(f"{len(prompts)} prompts, {len(n_new)} new-token counts")
+    order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
+    batches, batch = [], []
+    for i in order:  # in length order: a batch's rows waste little on padding
+        longest = max(len(prompts[i]), *(len(prompts[j]) for j in batch)) if batch else len(prompts[i])
+        if batch and (len(batch) + 1) * (longest + max(n_new[j] for j in [*batch, i])) > BATCH_TOKENS:
+            batches.append(batch)
+            batch = []
+        batch.append(i)
+    if batch:
+        batches.append(batch)
+    out: list[Reference | None] = [None] * len(prompts)
+    for batch in batches:
+        rows = _greedy_rows(hf, [[int(t) for t in prompts[i]] for i in batch], max(n_new[i] for i in batch))
+        for i, logits in zip(batch, rows):
+            logits = logits[:n_new[i]]
+            out[i] = Reference(len(prompts[i]), np.argmax(logits, axis=-1), logits)
+        if done is not None:
+            done(len(batch))
+    return out
+
+
+def _greedy_rows(hf, rows: list[list[int]], steps: int) -> list[np.ndarray]:
+    """float32 logits [steps, V] of each row's greedy run, the rows left-padded into one batch."""
     import torch
 
-    from reference.hf import model_input
-
-    logits = []
+    device = hf.model.embed_tokens.weight.device
+    width = max(len(r) for r in rows)
+    ids = torch.zeros((len(rows), width), dtype=torch.long, device=device)
+    mask = torch.zeros((len(rows), width), dtype=torch.long, device=device)
+    for b, r in enumerate(rows):
+        if r:
+            ids[b, width - len(r):] = torch.tensor(r, dtype=torch.long)
+            mask[b, width - len(r):] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    found = []
+    cache = None
     with torch.no_grad():
-        out = hf(model_input(hf, prompt_ids), use_cache=True)
-        cache_kw = "cache" if "cache" in out else "past_key_values"  # transformers 5.x renamed it
-        for i in range(n_new):
-            row = out.logits[0, -1].float().cpu().numpy().copy()
-            logits.append(row)
-            if i + 1 == n_new:
+        for step in range(steps):
+            kw = {} if cache is None else {cache[0]: cache[1]}
+            out = hf.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **kw)
+            cache_kw = "cache" if "cache" in out else "past_key_values"  # transformers 5.x renamed it
+            cache = (cache_kw, out[cache_kw])
+            logits = hf.lm_head(out.last_hidden_state[:, -1]).float()
+            found.append(logits.cpu().numpy())
+            if step + 1 == steps:
                 break
-            out = hf(model_input(hf, [int(np.argmax(row))]), use_cache=True, **{cache_kw: out[cache_kw]})
-    logits = np.stack(logits)
-    return Reference(len(prompt_ids), np.argmax(logits, axis=-1), logits)
+            ids = torch.from_numpy(np.argmax(found[-1], axis=-1)[:, None]).to(device)  # lowest index on a tie
+            positions = positions[:, -1:] + 1
+            mask = torch.cat([mask, torch.ones_like(ids)], dim=-1)
+    stacked = np.stack(found, axis=1)  # [rows, steps, V]
+    return [stacked[b].copy() for b in range(len(rows))]
 
 
 def engine_logits(model, prompt_ids, tokens) -> np.ndarray:

@@ -3,7 +3,9 @@
 Bounds: a second run reads what the first measured; a different key measures again; a lock left by a
 process that is gone (a killed run) is taken over at once instead of being waited on; and two processes
 asking at the same time measure once between them. Reference runs: read back equal, bit for bit; a new
-prompt, token count or model runs again; a broken file is run again and replaced; NANOQWEN_FRESH_REFERENCES
+prompt, token count or model runs again; a broken file is run again and replaced; many asked at once are
+computed together, only the missing ones, by one worker while another asking for them waits and reads
+them; NANOQWEN_FRESH_REFERENCES
 runs everything again; the oldest models' runs go past the size budget, and a read counts as a use.
 Block outputs: kept by their weights and input, a large block never. And a graph or layer rung whose
 references are kept imports neither torch nor transformers.
@@ -174,6 +176,56 @@ def test_fresh_references_runs_again(kept, monkeypatch):
     monkeypatch.setenv("NANOQWEN_FRESH_REFERENCES", "1")
     kept.get([1], 3, _run(0, calls))
     assert calls == [0, 0]
+
+
+def _batch(calls: list):
+    """A stand-in for the batched simulation: each item's run seeded by its first token id; the items asked for recorded."""
+    def run(items):
+        calls.append([list(ids) for ids, _ in items])
+        return [_run(int(ids[0]), [])() for ids, _ in items]
+    return run
+
+
+def test_many_runs_are_computed_together_and_only_the_missing_ones(kept):
+    calls = []
+    kept.get([2], 3, _run(2, []))  # one kept already
+    refs = kept.get_many([([1], 3), ([2], 3), ([3], 3)], _batch(calls))
+    assert calls == [[[1], [3]]], "one batch, of the prompts not kept"
+    assert np.array_equal(refs[0].logits, _run(1, [])().logits) and np.array_equal(refs[2].logits, _run(3, [])().logits)
+    again = kept.get_many([([3], 3), ([1], 3)], _batch(calls))
+    assert len(calls) == 1 and np.array_equal(again[1].logits, refs[0].logits), "kept ones are read, in the order asked"
+    assert not [p.name for p in kept.folder.parent.iterdir() if p.name.endswith(".lock")], "the lock is let go"
+
+
+def test_workers_asking_for_the_same_runs_compute_them_once(kept):
+    import threading
+
+    calls, slow = [], _batch([])
+
+    def run(items):
+        calls.append(len(items))
+        time.sleep(0.3)  # the second asker arrives while the first computes
+        return slow(items)
+
+    items = [([4], 3), ([5], 3)]
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(kept.get_many(items, run))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert calls == [2], "the second asker waited for the first and read what it kept"
+    assert len(results) == 2 and all(np.array_equal(a.logits, b.logits) for a, b in zip(*results))
+
+
+def test_a_failed_batch_leaves_no_lock_and_keeps_nothing(kept):
+    def broken(items):
+        raise RuntimeError("out of memory")
+
+    with pytest.raises(RuntimeError, match="out of memory"):
+        kept.get_many([([6], 3)], broken)
+    assert not list(kept.folder.parent.glob(".*.lock"))
+    assert kept.get_many([([6], 3)], _batch([]))[0].logits.shape == (3, 50)
 
 
 def test_reading_a_kept_run_marks_its_model_used(kept, tiny_model_path):
