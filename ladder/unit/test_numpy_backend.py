@@ -212,3 +212,26 @@ def test_blas_threads_sets_the_count_inside_and_restores_it():
     assert blas.current() == before
     with blas.blas_threads(None):  # None leaves it alone
         assert blas.current() == before
+
+
+@pytest.mark.parametrize("cpus,workers,env,expected", [
+    (8, None, None, 8),  # all the CPUs this process may run on
+    (8, "3", None, 2),  # a pytest-xdist worker's whole share
+    (2, "4", None, 1),  # never below one
+    (8, "3", "5", 5),  # NANOQWEN_NUMPY_THREADS wins
+    (8, None, "0", 1),  # ... but never below one
+    (8, None, "1", 1),
+])
+def test_the_default_thread_count_is_a_whole_share_of_the_cpus(monkeypatch, cpus, workers, env, expected):
+    """OpenBLAS's thread count is a C int: a float share (4 / 3 workers) would stop the first GEMM that sets
+    it. Read from this process's CPU affinity (a container or `taskset` narrows it), not the machine's."""
+    asked = []
+    monkeypatch.setattr(blas.os, "sched_getaffinity", lambda pid: asked.append(pid) or set(range(cpus)), raising=False)
+    for var, value in (("PYTEST_XDIST_WORKER_COUNT", workers), ("NANOQWEN_NUMPY_THREADS", env)):
+        if value is None:
+            monkeypatch.delenv(var, raising=False)
+        else:
+            monkeypatch.setenv(var, value)
+    threads = blas.default_threads()
+    assert threads == expected and type(threads) is int
+    assert asked in ([0], []), f"the affinity asked of process {asked}, not of this one (0)"
