@@ -70,7 +70,10 @@ CASE_ALLOWANCE = 20.0  # the watchdog: a case hangs past 20 s + 3x its clean tim
 # automatic timeout (memcheck slows a kernel 10 to 100 times).
 SECOND_LOOK = ("memcheck", "racecheck")
 SANITIZER_FACTOR = 4.0
-WITHIN_MARGIN = 5.0  # seconds of --within kept for writing the report after the cut
+# seconds of --within kept for what its clock does not see or comes after the cut: the interpreter's start
+# and imports, stopping the workers, writing the report (on an H200 the nightly's samples, with 5 s kept,
+# ended 8 s past their --within)
+WITHIN_MARGIN = 15.0
 
 
 class MutateArgumentError(NanoqwenError):
