@@ -95,6 +95,18 @@ def test_every_weight_layout_passes_the_linear_check(fmt_name, layout, shape, se
     assert_close("o_proj_residual", out, ref, plain, backend="numpy", case=f"{fmt.name},{layout},T={T},in={in_f},out={out_f}", seed=seed)
 
 
+@pytest.mark.parametrize("fp32", [True, False], ids=["fp32", "past_the_budget"])
+@pytest.mark.parametrize("fmt_name", sorted(FORMATS))
+def test_repacked_nbytes_is_what_repack_adds(fmt_name, fp32):
+    """The budget is charged `repacked_nbytes` for a weight: it must be the bytes `repack` adds, in either
+    layout (int4_sym_g128's int8 values past the budget are one byte a weight, the other formats add none)."""
+    fmt = FORMATS[fmt_name]
+    w = quantizable_weight(rng_for(0), 48, 256)
+    kernels = NumpyBackend._kernels(fmt_name)
+    added = kernels.repack({k: np.ascontiguousarray(v) for k, v in fmt.quantize(w).items()}, fp32)
+    assert sum(a.nbytes for a in added.values()) == kernels.repacked_nbytes(*w.shape, fp32)
+
+
 @pytest.mark.parametrize("fmt_name", sorted(FORMATS))
 def test_the_budget_decides_the_layout_and_comes_back_when_a_weight_is_freed(fmt_name):
     fmt = FORMATS[fmt_name]
