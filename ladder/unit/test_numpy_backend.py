@@ -230,6 +230,7 @@ def test_blas_threads_sets_the_count_inside_and_restores_it():
     (8, None, None, 8),  # all the CPUs this process may run on
     (8, "3", None, 2),  # a pytest-xdist worker's whole share
     (2, "4", None, 1),  # never below one
+    (8, "0", None, 8),  # a worker count of 0 counts as one, never a division by zero
     (8, "3", "5", 5),  # NANOQWEN_NUMPY_THREADS wins
     (8, None, "0", 1),  # ... but never below one
     (8, None, "1", 1),
