@@ -22,8 +22,8 @@ Outcomes:
 - `did_not_compile` (a Python mutant that no longer parses, a CUDA mutant NVRTC refuses): not scored,
 - `not_launched`: no case of the rungs run launches the mutated function; not run, not scored, listed,
 - `not_run`: left when the --budget of wall time was spent, or cut at its hard stop (max(60 s, budget/2)
-  later; with --within W, no mutant starts after 2/3 of W and the cut comes at W, both counted from the
-  command's start); not scored, counted,
+  later; with --within W, no mutant starts after 2/3 of W and the cut comes 15 s before W, both counted
+  from the command's start); not scored, counted,
 - `equivalent`: on the reviewed list of ladder/tools/equivalent_mutants.json (a signature and the reason
   it cannot change any output); not run, not scored, shown in the report.
 
