@@ -121,19 +121,37 @@ def test_gemv_variant_matches_reference_inside_its_edge_strata(backend, format_v
         check_linear(backend, fmt, op, 1, in_f, rows, seed=in_f * 1000 + rows, case=f",variant={variant},drawn")
 
 
+def _prefill_kernels(backend, fmt) -> tuple:
+    """The prefill kernels the format's launcher lists (catalog.py); (None,) where the backend has no
+    choice (one kernel per format: its only path)."""
+    if getattr(backend, "prefill_variant", None) is None:
+        return (None,)
+    return LAUNCHERS.get(fmt.name, {}).get("prefill_variants") or (None,)
+
+
+@contextlib.contextmanager
+def _prefill_kernel(backend, fmt, variant):
+    """The backend's prefill kernel for `fmt` set to `variant` for the block (None: left alone), restored
+    after, also when a check inside fails (a failed case must not leave its kernel to the next)."""
+    if variant is None:
+        yield
+        return
+    chosen = backend.prefill_variant
+    saved = chosen.get(fmt.name)
+    chosen[fmt.name] = variant
+    try:
+        yield
+    finally:
+        chosen[fmt.name] = saved
+
+
 @pytest.mark.parametrize("op", LINEAR_OPS)
 def test_prefill_path_matches_reference_at_every_tile_edge(backend, quant_format, op):
     """Every prefill kernel of the format, T and rows on, below and past its tiles (64 x 128 and 128 x
     128), inputs of one, three and five groups (a pipeline deeper than the K steps, and wrapping it)."""
     gemv_max = getattr(backend, "gemv_max_tokens", 1)
-    chosen = getattr(backend, "prefill_variant", None)
-    # every prefill kernel the launcher lists (catalog.py); one kernel per format: its only path
-    variants = (LAUNCHERS.get(quant_format.name, {}).get("prefill_variants") or (None,)) if chosen is not None else (None,)
-    for variant in variants:
-        saved = chosen.get(quant_format.name) if variant is not None else None
-        if variant is not None:
-            chosen[quant_format.name] = variant
-        try:
+    for variant in _prefill_kernels(backend, quant_format):
+        with _prefill_kernel(backend, quant_format, variant):
             for T in (2, 63, 64, 65, 127, 128, 130):
                 if T <= gemv_max:
                     continue
@@ -141,9 +159,18 @@ def test_prefill_path_matches_reference_at_every_tile_edge(backend, quant_format
                     for rows in ((7, 64, 65, 129) if op == "gate_up_silu" else (8, 127, 128, 129, 257)):
                         check_linear(backend, quant_format, op, T, in_f, rows, seed=T * 1000 + rows,
                                       case=f",prefill{'=' + variant if variant else ''}")
-        finally:
-            if variant is not None:
-                chosen[quant_format.name] = saved
+
+
+def test_every_prefill_kernel_at_the_7b_depth_of_inputs(backend, quant_format):
+    """Every prefill kernel over the 7B shape's deepest input, down_proj's 18,944 (148 groups: past the
+    127 where a pipelined kernel's group counter or ring index could wrap), on a few rows so the float64
+    reference stays cheap; 65 tokens, one past a 64-token tile. The other cases' inputs stop at five groups,
+    and the full-size cases take the default kernel only."""
+    in_f = 18944
+    for variant in _prefill_kernels(backend, quant_format):
+        with _prefill_kernel(backend, quant_format, variant):
+            check_linear(backend, quant_format, "down_residual", 65, in_f, 129, seed=in_f,
+                         case=f",7B depth{',prefill=' + variant if variant else ''}")
 
 
 _FULL_SIZE: dict = {}  # (backend, format, op) -> (backend weight, reference weight): the last one made
