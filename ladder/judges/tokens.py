@@ -117,12 +117,12 @@ def reference_greedy_batch(hf, prompts, n_new, done=None) -> list[Reference]:
     if len(prompts) != len(n_new):
         raise ValueError(f"{len(prompts)} prompts, {len(n_new)} new-token counts")
     order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
-    batches, batch = [], []
-    for i in order:  # in length order: a batch's rows waste little on padding
-        longest = max(len(prompts[i]), *(len(prompts[j]) for j in batch)) if batch else len(prompts[i])
-        if batch and (len(batch) + 1) * (longest + max(n_new[j] for j in [*batch, i])) > BATCH_TOKENS:
+    batches, batch, steps = [], [], 0
+    for i in order:  # in length order: a batch's rows waste little on padding, and the newest row is the longest
+        steps = max(steps, n_new[i])
+        if batch and (len(batch) + 1) * (len(prompts[i]) + steps) > BATCH_TOKENS:
             batches.append(batch)
-            batch = []
+            batch, steps = [], n_new[i]
         batch.append(i)
     if batch:
         batches.append(batch)

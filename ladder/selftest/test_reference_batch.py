@@ -32,8 +32,10 @@ def simulation():
     import torch
 
     path = resolve_model(None, "int4_sym_g128", progress=False)
-    torch.set_num_threads(1)
-    return hf_model(*dequantized_weights(path)), prompts_for_model(path)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # this worker's other cases get their threads back below
+    yield hf_model(*dequantized_weights(path)), prompts_for_model(path)
+    torch.set_num_threads(before)
 
 
 def _full_forward(hf, ids, generated) -> np.ndarray:
