@@ -200,6 +200,7 @@ def test_rungs_red_on_the_unmutated_tree_refuse_the_run(tmp_path):
     (["--files", "kernels/nowhere/*.py"], "--files"),
     (["--baseline", "no-such-folder"], "--baseline"),
     (["--rerun", "no-such-folder"], "--rerun"),
+    (["--resume", "no-such-folder"], "--resume"),
     (["--sample", "0"], "--sample"),
     (["--sample", "3", "--seed", "tomorrow"], "--seed"),
     (["--within", "10"], "--within"),
@@ -424,6 +425,53 @@ def test_a_green_ladder_report_stands_in_for_the_clean_run(tmp_path):
     rep = json.loads((tmp_path / "m" / "mutate.json").read_text())
     assert [(m["signature"], m["outcome"]) for m in rep["mutants"]] == [(killed.signature, "killed")]
     assert rep["meta"]["launches"] == str(tmp_path / "night")
+
+
+def _cut_report(folder, outcomes: dict, **meta) -> None:
+    """A mutate report of the unit rung on kernels/numpy/__init__.py whose run was cut: `outcomes` maps a
+    mutant to its outcome there (`not_run` for one the cut left)."""
+    from ladder.tools.mutate import sources_digest
+
+    folder.mkdir()
+    files = ["kernels/numpy/__init__.py"]
+    base = {"backend": "numpy", "rungs": ["unit"], "files": files, "seed": 7, "sample": 2, "sources": sources_digest(files)}
+    mutants = [{**m.record(), "outcome": o, "rung": "unit" if o == "killed" else None, "seconds": 1.0, "cases": 1}
+               for m, o in outcomes.items()]
+    (folder / "mutate.json").write_text(json.dumps({"meta": {**base, **meta}, "mutants": mutants}))
+
+
+@skip_inside_nested_run
+def test_a_resumed_sample_runs_what_the_cut_left_and_reports_both_runs(tmp_path):
+    """--resume: the mutants an earlier run did not run are run now, with its seed and rungs; its results
+    are carried, so one report holds the whole sample (a sample larger than one job's time limit)."""
+    left = _mutant("kernels/numpy/__init__.py", "rotate", "*", "+")  # the cut left it; the unit rung kills it
+    done = _mutant("kernels/numpy/__init__.py", "rotate", "+", "-")  # killed in the earlier run
+    _cut_report(tmp_path / "earlier", {done: "killed", left: "not_run"})
+    _ladder_report(tmp_path / "night")
+    r = subprocess.run([sys.executable, "-m", "ladder", "mutate", "--resume", str(tmp_path / "earlier"), "-n", "1",
+                        "--launches", str(tmp_path / "night"), "--report", str(tmp_path / "m")], cwd=tmp_path,
+                       capture_output=True, text=True, env=child_env("numpy"), timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "1 mutants it did not run, 1 results kept" in r.stdout, r.stdout
+    rep = json.loads((tmp_path / "m" / "mutate.json").read_text())
+    assert {m["signature"]: m["outcome"] for m in rep["mutants"]} == {done.signature: "killed", left.signature: "killed"}
+    assert rep["summary"]["total"]["killed"] == 2 and rep["summary"]["total"]["not_run"] == 0
+    assert (rep["meta"]["seed"], rep["meta"]["rungs"], rep["meta"]["resumed"]) == (7, ["unit"], str(tmp_path / "earlier"))
+
+
+@pytest.mark.parametrize("meta, args, why", [
+    ({}, ["--seed", "3"], "drop --seed"),
+    ({}, ["--rungs", "unit"], "drop --rungs"),
+    ({"backend": "cuda"}, [], "pass --backend cuda"),
+    ({"sources": "0123456789abcdef"}, [], "sources changed"),
+])
+def test_a_resume_that_cannot_continue_its_run_is_refused_in_one_line(tmp_path, meta, args, why):
+    _cut_report(tmp_path / "earlier", {_mutant("kernels/numpy/__init__.py", "rotate", "*", "+"): "not_run"}, **meta)
+    r = subprocess.run([sys.executable, "-m", "ladder", "mutate", "--resume", str(tmp_path / "earlier"), *args,
+                        "--report", str(tmp_path / "m")], cwd=tmp_path, capture_output=True, text=True,
+                       env=child_env("numpy"), timeout=300)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and why in r.stderr, r.stderr
+    assert "--resume" in r.stderr and not (tmp_path / "m").exists()
 
 
 @pytest.mark.parametrize("meta, why", [

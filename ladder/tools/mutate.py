@@ -2,7 +2,7 @@
 
     nanoqwen mutate [--backend numpy|cuda] [--files PATTERN,...] [--sample N] [--seed S]
                     [--rungs unit,layer,graph] [-n WORKERS] [--timeout SECONDS] [--report DIR]
-                    [--baseline DIR] [--rerun DIR] [--list] [-- PYTEST ARGS]
+                    [--baseline DIR] [--rerun DIR] [--resume DIR] [--list] [-- PYTEST ARGS]
 
 First each rung runs once on the unmutated tree (it must be green) and records the launch map
 (ladder/changes/launches.py): which kernel code each case launches. Then each mutant (ladder/tools/mutants.py: one
@@ -34,13 +34,16 @@ every survivor with file:line and its edit; with `--baseline DIR`, the score cha
 mutants killed there that survive here, and the command exits 1 when the run is weaker than its
 baseline (a mutant it detected is lost, or the score over the mutants both scored is lower): the
 nightly and weekly jobs' gate. `--rerun DIR` runs only the survivors of an earlier report:
-the check that a strengthened rung now kills them.
+the check that a strengthened rung now kills them. `--resume DIR` runs the mutants an earlier report did
+not run (cut by its --within or --budget) on the same sources, with its files, rungs, seed and sample, and
+writes one report holding both runs' results: a sample larger than one job's time limit, in two jobs.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import datetime
+import hashlib
 import json
 import os
 import random
@@ -59,6 +62,7 @@ from ladder.tools.mutants import Mutant, compiles, mutants_of
 
 ROOT = Path(__file__).resolve().parents[2]  # the folder that holds the project's packages
 RUNGS = ("unit", "layer", "graph")
+DEFAULT_RUNGS = ",".join(RUNGS)
 EQUIVALENT_FILE = Path(__file__).resolve().parent / "equivalent_mutants.json"
 # What a worker's copy needs: the packages, the root conftest and the project file.
 TREE = ("engine", "kernels", "ladder", "reference", "fixtures", "bench", "conftest.py", "pyproject.toml")
@@ -481,13 +485,21 @@ def _run(args) -> int:
     from kernels import backend_available
 
     try:
-        rungs = [r for r in args.rungs.split(",") if r]
+        resume = _earlier_report("--resume", args.resume) if args.resume else None
+        if resume is not None:
+            _take_resumed_options(args, resume)
+        if args.seed is None:
+            args.seed = 0
+        rungs = [r for r in (args.rungs or DEFAULT_RUNGS).split(",") if r]
         bad = [r for r in rungs if r not in RUNGS]
         if bad or not rungs:
             raise MutateArgumentError(f"--rungs {args.rungs}: each must be one of {', '.join(RUNGS)}")
         files = kernel_files(args.files.split(",") if args.files else DEFAULT_FILES.get(args.backend, ()))
         baseline = _earlier_report("--baseline", args.baseline) if args.baseline else None
         rerun = _earlier_report("--rerun", args.rerun) if args.rerun else None
+        if resume is not None and resume["meta"].get("sources") not in (None, sources_digest(files)):
+            raise MutateArgumentError(f"--resume {args.resume}: the mutated sources changed since that run; "
+                                      f"a resumed sample runs on the same sources")
         launches = map_from_report(args.launches, args.backend, rungs) if args.launches else None
         ok, why = backend_available(args.backend)
         if not ok and not args.list:
@@ -507,7 +519,15 @@ def _run(args) -> int:
     if rerun is not None:
         survivors = {r["signature"] for r in rerun.get("mutants", []) if r["outcome"] == "survived"}
         runnable = [m for m in runnable if m.signature in survivors]
-    chosen = sample(runnable, args.sample, args.seed)
+    kept: list[dict] = []  # --resume: the earlier run's results, carried into this report
+    if resume is not None:
+        left = {r["signature"] for r in resume.get("mutants", []) if r["outcome"] == "not_run"}
+        chosen = [m for m in runnable if m.signature in left]
+        kept = [r for r in resume.get("mutants", []) if r["outcome"] != "not_run" and r["signature"] not in reviewed]
+        print(f"nanoqwen mutate: resuming {args.resume}: {len(chosen)} mutants it did not run, "
+              f"{len(kept)} results kept", flush=True)
+    else:
+        chosen = sample(runnable, args.sample, args.seed)
     if args.list:
         for m in chosen:
             print(m.describe())
@@ -525,8 +545,11 @@ def _run(args) -> int:
     except NanoqwenError as e:
         print(f"nanoqwen: error: {e}", file=sys.stderr)
         return 2
+    results = sorted(kept + results, key=lambda r: (r["file"], r["start"], r["replacement"]))
     report = {"meta": {"backend": args.backend, "rungs": rungs, "files": files, "seed": args.seed, "sample": args.sample,
-                       "candidates": len(candidates), "run": len(chosen), "pytest_args": extra,
+                       "candidates": len(candidates), "run": len(results), "pytest_args": extra,
+                       "sources": sources_digest(files),
+                       "resumed": str(Path(args.resume).resolve()) if args.resume else None,
                        "launches": str(Path(args.launches).resolve()) if args.launches else None,
                        "seconds": time.perf_counter() - t0, "started": datetime.datetime.now().isoformat(timespec="seconds")},
               "summary": summarize(results, equivalents), "mutants": results, "equivalents": equivalents}
@@ -555,6 +578,32 @@ def _run(args) -> int:
     return 0
 
 
+def sources_digest(files) -> str:
+    """A digest of the mutated sources' text: a resumed sample must run on the same sources."""
+    h = hashlib.sha256()
+    for rel in files:
+        h.update(rel.encode() + b"\0" + (ROOT / rel).read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def _take_resumed_options(args, resume: dict) -> None:
+    """--resume: the earlier run's files, rungs, seed and sample; giving them again, or another backend,
+    is an error (one line)."""
+    meta = resume.get("meta") or {}
+    if "seed" not in meta or "files" not in meta:
+        raise MutateArgumentError(f"--resume {args.resume}: not a `nanoqwen mutate` report (no meta with its seed and files)")
+    given = [o for o, v in (("--files", args.files), ("--sample", args.sample), ("--seed", args.seed),
+                            ("--rungs", args.rungs), ("--rerun", args.rerun)) if v is not None]
+    if given:
+        raise MutateArgumentError(f"--resume {args.resume}: takes that run's files, rungs, seed and sample; "
+                                  f"drop {', '.join(given)}")
+    if meta.get("backend") != args.backend:
+        raise MutateArgumentError(f"--resume {args.resume}: that run mutated the {meta.get('backend')} backend; "
+                                  f"pass --backend {meta.get('backend')}")
+    args.files, args.rungs = ",".join(meta["files"]), ",".join(meta["rungs"])
+    args.seed, args.sample = meta["seed"], meta["sample"]
+
+
 def _earlier_report(option: str, folder: str) -> dict:
     path = Path(folder) / "mutate.json"
     try:
@@ -576,10 +625,10 @@ def register(subparsers) -> None:
     m.add_argument("--files", metavar="PATTERN,...", help="sources to mutate, globs relative to the repository "
                    "(default: kernels/numpy/*.py for numpy, kernels/cuda/*.cu and *.cuh for cuda)")
     m.add_argument("--sample", type=_positive, metavar="N", help="run N mutants drawn with --seed (default: all)")
-    m.add_argument("--seed", type=_seed, default=0, metavar="SEED|random|date",
+    m.add_argument("--seed", type=_seed, default=None, metavar="SEED|random|date",
                    help="the sample's seed: an integer; `random`, a fresh one drawn and printed; `date`, today's "
                         "(YYYYMMDD, a nightly's rotating sample) (default 0)")
-    m.add_argument("--rungs", default="unit,layer,graph", help="rungs to run, cheapest first (default unit,layer,graph)")
+    m.add_argument("--rungs", default=None, help=f"rungs to run, cheapest first (default {DEFAULT_RUNGS})")
     m.add_argument("-n", "--workers", type=_positive, default=max(1, (os.cpu_count() or 2) // 2), metavar="N",
                    help="parallel workers, each with its own copy of the tree (default: half the cores)")
     renamed(m, "-j", "--jobs", new="--workers", type=_positive)
@@ -591,6 +640,9 @@ def register(subparsers) -> None:
                    "it detected is lost here, or the score over the mutants both scored is lower")
     m.add_argument("--rerun", metavar="DIR", help="run only the mutants that survived in an earlier report (after "
                    "strengthening the rungs); with --baseline DIR too, the report shows which are now killed")
+    m.add_argument("--resume", metavar="DIR", help="run the mutants an earlier report did not run (cut by its --within "
+                   "or --budget), with its files, rungs, seed and sample, on the same sources; the report holds both "
+                   "runs' results")
     m.add_argument("--launches", metavar="REPORT", help="a green `nanoqwen ladder` report folder of this backend and "
                    "tree whose launch map and case times replace the clean run (the nightly passes its own)")
     m.add_argument("--budget", type=float, metavar="SECONDS", help="start no mutant after this many seconds of "
