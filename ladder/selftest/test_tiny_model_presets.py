@@ -181,3 +181,24 @@ def test_the_gpu_generator_draws_the_same_bytes_twice():
     assert not np.array_equal(a, numpy)
     spread = (a.astype(np.uint32) << 16).view(np.float32).std() * np.sqrt(SMALL.hidden_size)
     assert abs(spread / 1.5 - 1) < 0.05
+
+
+def test_a_given_generator_streams_a_model_of_any_size_and_none_keeps_the_small_one_in_one_stream():
+    """The unit rung's GPU-references case draws its 0.5B-shape model on the GPU (`generator="torch-cuda"`);
+    without a generator a model under a billion parameters is made by `random_weights`, a larger one is
+    streamed by the machine's default generator."""
+    assert not tm.is_streamed(SMALL)
+    assert tm._generator_of(SMALL, None) is None
+    assert tm._generator_of(SMALL, "numpy") == "numpy"
+    assert tm._generator_of(tm.TRAINED_LIKE["7b"].config, None) == tm.default_generator()
+    with pytest.raises(ValueError, match="unknown generator"):
+        tm._generator_of(SMALL, "dice")
+
+
+def test_the_command_streams_a_small_preset_when_given_a_generator(tmp_path, capsys):
+    assert tm.main([str(tmp_path / "m"), "--generator", "numpy"]) == 0
+    assert "generator numpy" in capsys.readouterr().out
+    note = json.loads((tmp_path / "m" / tm.NOTE).read_text())
+    assert note["generator"] == "numpy" and list((tmp_path / "m").glob("*.safetensors"))
+    convert(tmp_path / "m", tmp_path / "m.nanoqwen", "int4_sym_g128")
+    assert (tmp_path / "m.nanoqwen").stat().st_size > 0
