@@ -104,6 +104,22 @@ def duplicate_entry_points() -> dict[str, list[str]]:
     return {name: mods for name, mods in where.items() if len(mods) > 1}
 
 
+def compile_all() -> None:
+    """Run NVRTC on every module at once, one thread each, into CuPy's on-disk kernel cache (the backend's
+    warm-up, before any test worker starts). One after another they took 18 s of a fresh machine's first
+    run. CuPy calls NVRTC with the GIL released, so together they take about the longest one's time
+    (int4_sym_g128's template variants: nvcc takes 9 s of the 30 for all of them, one after another).
+    Loading stays in `kernels()`, on the calling thread's device; what a thread here loads is dropped."""
+    import cupy
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(module: str) -> None:
+        cupy.RawModule(code=source(module), options=OPTIONS).compile()
+
+    with ThreadPoolExecutor(len(MODULES)) as pool:
+        list(pool.map(one, MODULES))  # list(): a module NVRTC refuses raises here, naming its error
+
+
 def kernels() -> dict:
     """name -> cupy.RawKernel for every entry point of every module, compiled on the first call only."""
     import cupy  # here, not at the top: the CPU-side compile test reads this file without CuPy
