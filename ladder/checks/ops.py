@@ -278,6 +278,17 @@ def check_argmax(backend, V, ties, seed):
                  case=f"V={V},ties={ties}", seed=seed)
 
 
+def check_argmax_of_a_constant_row(backend, V, value):
+    """Every logit `value`: index 0 wins. With -inf (every token masked) no logit beats a thread's empty
+    start (-inf), so the result is decided by the start's index alone: a kernel whose idle threads start
+    from an index below every real one (a negative sentinel) returns it."""
+    logits = np.full(V, value, dtype=F32)
+    out = sentinel(backend, (1,), np.int32)
+    backend.argmax(dev(backend, logits), out)
+    assert_equal("argmax", host(backend, out, "argmax"), np.array([ref_ops.ref_argmax(logits)], dtype=np.int32),
+                 backend=backend.name, case=f"V={V},every logit {value}", seed=0)
+
+
 # --- decode_advance ------------------------------------------------------------------------------
 
 

@@ -6,7 +6,8 @@ expose the hardware conversions (`hardware_encode`, `hardware_decode` of `backen
 cuda backend, through two test entry points of kernels/cuda/fp8_e4m3_channel.cu) is held to that here:
 
 - decode: all 256 codes; every non-NaN value has the same bits (the sign of zero included), and the
-  NaN codes (0x7F, 0xFF) are exactly the codes that decode to NaN on both sides;
+  NaN codes (0x7F, 0xFF) are exactly the codes that decode to NaN on both sides; and the 256 codes
+  tiled into a long array (many blocks of the kernel's grid), each element its code's value;
 - encode: every e4m3 value, every midpoint between neighbouring values (ties to even), the floats
   just above and below each midpoint, the subnormal range and the 2^-10 tie at the bottom, +-0, the
   saturating range +-448 .. +-1e30 and +-float32 max, +-inf, NaN, and 200,000 random floats across the
@@ -73,6 +74,21 @@ def test_hardware_e4m3_decode_is_the_definition_bit_for_bit(backend):
     bad = codes[~ref_nan][hw[~ref_nan].view(np.uint32) != ref[~ref_nan].view(np.uint32)]
     assert bad.size == 0, (f"{bad.size} codes decode differently, e.g. {_hex(bad[:8])}: hardware "
                            f"{hw[bad[:8]].tolist()}, definition {ref[bad[:8]].tolist()}")
+
+
+def test_hardware_e4m3_decode_covers_every_pair_of_a_long_array(backend):
+    """The 256 codes tiled 1,024 times and shuffled (131,072 pairs: 512 blocks of the decode kernel's
+    grid-stride loop, where the test above fits one): every element decodes to its code's value, so a
+    kernel that skips or repeats a block's pairs shows."""
+    be = _hardware(backend)
+    codes = np.random.default_rng(0).permutation(np.tile(np.arange(256, dtype=np.uint8), 1024))
+    hw = np.asarray(be.hardware_decode(codes)).astype(F32)
+    ref = decode_e4m3(codes)
+    assert hw.shape == ref.shape
+    same = (hw.view(np.uint32) == ref.view(np.uint32)) | (np.isnan(hw) & np.isnan(ref))
+    bad = np.flatnonzero(~same)
+    assert bad.size == 0, (f"{bad.size} of {codes.size} elements decode differently, first at {bad[:8].tolist()}: codes "
+                           f"{_hex(codes[bad[:8]])}, hardware {hw[bad[:8]].tolist()}, definition {ref[bad[:8]].tolist()}")
 
 
 def test_hardware_e4m3_encode_is_the_definition_bit_for_bit(backend):

@@ -148,6 +148,12 @@ def test_argmax_lowest_index_wins_a_tie(backend, V, ties, seed):
     ops.check_argmax(backend, V, ties, seed)
 
 
+@pytest.mark.parametrize("value", [float("-inf"), 3.0], ids=["minus_inf", "finite"])
+@pytest.mark.parametrize("V", [1, 7, 1000, 152064])  # one element, fewer than a block's threads, the 7B vocab
+def test_argmax_of_a_constant_row_is_index_0_even_when_every_logit_is_minus_inf(backend, V, value):
+    ops.check_argmax_of_a_constant_row(backend, V, value)
+
+
 # --- decode_advance ------------------------------------------------------------------------------
 
 
