@@ -29,11 +29,17 @@ INT_SENTINEL = -7777
 POOL_VARIABLE = "NANOQWEN_CUPY_POOL"  # "0": no CuPy memory pool (a run under compute-sanitizer memcheck)
 
 
+def under_memcheck() -> bool:
+    """This process runs under compute-sanitizer's memory checks: POOL_VARIABLE is "0" (mutate's second
+    look at a CUDA survivor sets it)."""
+    return os.environ.get(POOL_VARIABLE) == "0"
+
+
 def honour_pool_variable() -> None:
     """With POOL_VARIABLE set to "0", turn CuPy's memory pool off in this process: with the pool on, a write
     past an array's end lands inside a larger pooled block, which memcheck sees as valid memory (the
     ladder's plugin calls this at start; `nanoqwen mutate`'s second look at a CUDA survivor sets it)."""
-    if os.environ.get(POOL_VARIABLE) == "0":
+    if under_memcheck():
         try:
             import cupy
         except ImportError:
@@ -139,7 +145,10 @@ def dev(backend, *arrays):
 
 def _trailed(backend, a):
     a = np.ascontiguousarray(a)
-    if a.dtype.kind not in "fiu" or a.size == 0:
+    if a.dtype.kind not in "fiu" or a.size == 0 or under_memcheck():
+        # Under memcheck (CuPy's pool off) an input is its own allocation, ending where the array ends: a
+        # read past it is an access memcheck reports, where the NaN band shows it only when the value
+        # reaches an output (an over-read into a slot that is overwritten before use passes the bands).
         return backend.asarray(a)
     buf = _filled(a.size + GUARD_BYTES // a.itemsize, a.dtype)
     buf[:a.size] = a.reshape(-1)

@@ -121,3 +121,18 @@ def test_an_op_that_reads_one_element_past_its_input_fails_its_check():
         ops.check_rmsnorm(backend, **ops.check_rmsnorm.examples[0])
     x = harness.dev(backend, np.ones((2, 3), np.float16))
     assert np.isnan(_flat_beyond(x, after=harness.GUARD_BYTES // 2)[6:]).all()  # the whole band is NaN
+
+
+def test_under_memcheck_an_input_is_its_own_allocation_ending_where_the_array_ends(monkeypatch):
+    """With the pool off for compute-sanitizer (mutate's second look), `dev` hands each input out in an
+    allocation of exactly its size, so a read one past it is an access memcheck reports; the NaN band would
+    show it only if the value reached an output (an over-read into a slot that is overwritten before it is
+    read, as a surviving attention mutant did, passes the bands)."""
+    backend = get_backend("numpy")
+    a = np.arange(6, dtype=np.float16).reshape(2, 3)
+    banded = harness.dev(backend, a)
+    assert banded.base is not None and banded.base.nbytes == a.nbytes + harness.GUARD_BYTES
+    monkeypatch.setenv(harness.POOL_VARIABLE, "0")
+    assert harness.under_memcheck()
+    exact = harness.dev(backend, a)
+    assert np.array_equal(exact, a) and (exact.base is None or exact.base.nbytes == a.nbytes)
