@@ -202,3 +202,14 @@ def test_the_command_streams_a_small_preset_when_given_a_generator(tmp_path, cap
     assert note["generator"] == "numpy" and list((tmp_path / "m").glob("*.safetensors"))
     convert(tmp_path / "m", tmp_path / "m.nanoqwen", "int4_sym_g128")
     assert (tmp_path / "m.nanoqwen").stat().st_size > 0
+
+
+def test_the_command_refuses_the_gpu_generator_where_there_is_no_gpu_and_leaves_nothing(tmp_path, capsys):
+    if tm.default_generator() == "torch-cuda":
+        pytest.skip("torch sees a CUDA GPU here: the GPU generator is available")
+    with pytest.raises(SystemExit) as e:
+        tm.main([str(tmp_path / "m"), "--generator", "torch-cuda"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--generator: generator torch-cuda needs torch with a CUDA GPU" in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []  # no folder, no temporary sibling
