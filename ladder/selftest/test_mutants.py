@@ -459,6 +459,15 @@ def test_a_resumed_sample_runs_what_the_cut_left_and_reports_both_runs(tmp_path)
     assert (rep["meta"]["seed"], rep["meta"]["rungs"], rep["meta"]["resumed"]) == (7, ["unit"], str(tmp_path / "earlier"))
 
 
+def test_resuming_a_run_that_left_nothing_says_so_and_runs_nothing(tmp_path):
+    _cut_report(tmp_path / "earlier", {_mutant("kernels/numpy/__init__.py", "rotate", "*", "+"): "killed"})
+    r = subprocess.run([sys.executable, "-m", "ladder", "mutate", "--resume", str(tmp_path / "earlier"),
+                        "--report", str(tmp_path / "m")], cwd=tmp_path, capture_output=True, text=True,
+                       env=child_env("numpy"), timeout=300)
+    assert r.returncode == 0 and "nothing to resume" in r.stdout, r.stdout + r.stderr
+    assert not (tmp_path / "m").exists()
+
+
 @pytest.mark.parametrize("meta, args, why", [
     ({}, ["--seed", "3"], "drop --seed"),
     ({}, ["--rungs", "unit"], "drop --rungs"),

@@ -524,6 +524,9 @@ def _run(args) -> int:
         left = {r["signature"] for r in resume.get("mutants", []) if r["outcome"] == "not_run"}
         chosen = [m for m in runnable if m.signature in left]
         kept = [r for r in resume.get("mutants", []) if r["outcome"] != "not_run" and r["signature"] not in reviewed]
+        if not chosen and not args.list:
+            print(f"nanoqwen mutate: --resume {args.resume}: every mutant of that run has run; nothing to resume")
+            return 0
         print(f"nanoqwen mutate: resuming {args.resume}: {len(chosen)} mutants it did not run, "
               f"{len(kept)} results kept", flush=True)
     else:
