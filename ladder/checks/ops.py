@@ -212,13 +212,16 @@ def check_rope_kv_write(backend, T, start, nkv, ratio, d, theta, layout, seed):
 
 
 def check_attention(backend, op: str, case: PagedCase):
-    """attention_decode or attention_prefill (`op`) on a paged case against ref_paged_attention."""
+    """attention_decode or attention_prefill (`op`) on a paged case against ref_paged_attention; returns
+    (out, ref, plain) for a check that looks closer."""
     c = case
     ref = ref_ops.ref_paged_attention(c.q, c.k_pages, c.v_pages, c.page_table, c.positions)
     plain = _round(ref_ops.ref_paged_attention(c.q, c.k_pages, c.v_pages, c.page_table, c.positions, dtype=F32), F16)
     out = sentinel(backend, (c.T, c.nq * c.d), F16)
     getattr(backend, op)(*dev(backend, c.q, c.k_pages, c.v_pages, c.page_table, c.positions), out)
-    assert_close(op, host(backend, out, op), ref, plain, backend=backend.name, case=str(c), seed=c.seed, tol_op="attention")
+    out = host(backend, out, op)
+    assert_close(op, out, ref, plain, backend=backend.name, case=str(c), seed=c.seed, tol_op="attention")
+    return out, ref, plain
 
 
 @examples(dict(case=PagedCase.build(seed=0, L=1, T=1, nq=1, nkv=1, d=64, layout="contiguous")),  # position 0: one key
@@ -238,6 +241,26 @@ def check_attention_decode(backend, case: PagedCase):
           dict(case=PagedCase.build(seed=4, L=200, T=24, nq=28, nkv=4, d=128, layout="sparse", scale=8.0)))  # scores of std 64
 def check_attention_prefill(backend, case: PagedCase):
     check_attention(backend, "attention_prefill", case)
+
+
+@examples(dict(op="attention_decode", L=48, T=1, nq=28, nkv=4, d=128, layout="shuffled", seed=0),  # warp kernel, 7B heads
+          dict(op="attention_decode", L=32, T=1, nq=2, nkv=1, d=96, layout="sparse", seed=1),  # block kernel
+          dict(op="attention_decode", L=1000, T=1, nq=28, nkv=4, d=128, layout="sparse", seed=2),  # 63 pages: splits, combine
+          dict(op="attention_prefill", L=48, T=48, nq=28, nkv=4, d=128, layout="shuffled", seed=3),  # tensor cores, d 128
+          dict(op="attention_prefill", L=40, T=24, nq=4, nkv=2, d=64, layout="contiguous", seed=4),  # tensor cores, d 64, a chunk
+          dict(op="attention_prefill", L=34, T=6, nq=2, nkv=1, d=96, layout="shuffled", seed=5))  # a decode kernel per token
+def check_attention_keeps_fp32_probabilities(backend, op, L, T, nq, nkv, d, layout, seed):
+    """P.V with probabilities good to fp32, on `PagedCase.cancelling`: keys in pairs whose V rows (about
+    1000) cancel. The whole output is checked as usual; then the rows at odd positions, which hold whole
+    pairs and come out near 0, are checked alone, so their bound is a few fp16 ulps of 1. A probability
+    rounded to fp16 anywhere in P.V (the tensor-core prefill's P_lo part dropped or added into another
+    column tile) moves such a row by about 2^-12 x 1000 / 1.5, some 50 times that bound."""
+    case = PagedCase.cancelling(seed=seed, L=L, T=T, nq=nq, nkv=nkv, d=d, layout=layout)
+    out, ref, plain = check_attention(backend, op, case)
+    odd = case.positions % 2 == 1
+    assert odd.any(), f"{case}: no query at an odd position"
+    assert_close(op, out[odd], ref[odd], plain[odd], backend=backend.name, case=f"{case}, rows at odd positions",
+                 seed=seed, tol_op="attention")
 
 
 @examples(*(dict(L=L) for L in PAGE_BOUNDARY_LENGTHS))

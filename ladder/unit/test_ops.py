@@ -116,6 +116,12 @@ def test_attention_prefill_is_causal_over_pages(backend, case):
     ops.check_attention_prefill(backend, case)
 
 
+@pytest.mark.parametrize("kw", ops.check_attention_keeps_fp32_probabilities.examples,
+                         ids=lambda kw: f"{kw['op'].split('_')[1]}-L{kw['L']}-T{kw['T']}-d{kw['d']}")
+def test_attention_carries_probabilities_to_fp32_into_p_times_v(backend, kw):
+    ops.check_attention_keeps_fp32_probabilities(backend, **kw)
+
+
 @pytest.mark.parametrize("L", PAGE_BOUNDARY_LENGTHS)
 def test_attention_decode_at_every_page_edge(backend, L):
     ops.check_attention_decode_at_page_edge(backend, L)
