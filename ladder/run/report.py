@@ -157,7 +157,8 @@ def merge(rung_results: dict[str, dict], meta: dict) -> dict:
     for rung, data in rung_results.items():
         slowest += [{**d, "rung": rung} for d in data.get("slowest", [])]
         unsupported += [{**u, "rung": rung} for u in data.get("unsupported", [])]
-        rungs[rung] = {**data.get("rungs", {}).get(rung, {}), "exit": data.get("exit"), "seconds": data.get("seconds")}
+        rungs[rung] = {**data.get("rungs", {}).get(rung, {}), "exit": data.get("exit"), "seconds": data.get("seconds"),
+                       **({"kept": data["kept"]} if data.get("kept") else {})}
         skips[rung] = data.get("skips", {}).get(rung, {})
         ops += [o for o in data.get("ops", []) if o["rung"] == rung]
         calls += [c for c in data.get("calls", []) if c["rung"] == rung]
@@ -348,6 +349,11 @@ def markdown(report: dict, chart: str | None = None) -> str:
     for rung, r in report["rungs"].items():
         lines.append(f"| {rung} | {r.get('exit')} | {r.get('passed', 0)} | {r.get('failed', 0)} | {r.get('skipped', 0)} | "
                      f"{r.get('seconds', 0) or 0:.1f} |")
+    kept = [f"- {rung}: not run again: the result of its green run at {r['kept']['at']} ({r['kept']['seconds']} s), "
+            f"kept under the same sources, versions, device, model and options (key {r['kept']['key']}; "
+            f"`--fresh` runs it)" for rung, r in report["rungs"].items() if r.get("kept")]
+    if kept:
+        lines += ["", "Kept results:", "", *kept]
     skip_lines = [f"- {rung}: {n}x {reason}" for rung, s in report["skips"].items() for reason, n in s.items()]
     if skip_lines:
         lines += ["", "Skipped, with reasons:", "", *skip_lines]

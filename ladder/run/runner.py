@@ -567,6 +567,9 @@ def _ladder(args, resources) -> int:
 
     launch_map = plan_launches(args, out)
     env = rung_environment()
+    ran_on = ladder_report.environment(ROOT)  # the commit, versions and GPU: the report's, and the kept results' key
+    from ladder.run import kept as kept_results
+
     results, started = {}, datetime.datetime.now().isoformat(timespec="seconds")
     failed = False
     broke = None  # the harness line (exit 3) once a rung's pytest judged nothing
@@ -576,6 +579,16 @@ def _ladder(args, resources) -> int:
         rung_json = out / f"{rung}.json"
         rung_json.unlink(missing_ok=True)  # a stale file from an earlier run must not count as this one
         t0 = time.perf_counter()
+        parts = kept_results.key(args, rung, extra, ROOT, ran_on["environment"]) if kept_results.keepable(args, rung) else None
+        served = kept_results.serve(parts, out, rung) if parts else None
+        if served:  # green before on the same sources, versions, device, model and options: shown, not rerun
+            counts = served["data"].get("rungs", {}).get(rung, {})
+            print(f"nanoqwen: rung {rung}: kept: {counts.get('passed', 0)} passed, {counts.get('skipped', 0)} skipped "
+                  f"at {served['kept']} ({served['seconds']} s) on the same sources, versions, device, model and "
+                  f"options; --fresh runs it again", flush=True)
+            results[rung] = {**served["data"], "exit": 0, "seconds": time.perf_counter() - t0,
+                             "kept": {"at": served["kept"], "seconds": served["seconds"], "key": parts["digest"]}}
+            continue
         code, error_line = run_rung(rung_command(rung, out, args, extra), env)
         data = json.loads(rung_json.read_text()) if rung_json.exists() else {}
         ran = sum(data.get("rungs", {}).get(rung, {}).values()) if data else 0
@@ -594,6 +607,8 @@ def _ladder(args, resources) -> int:
         elif ran == 0:  # tests failed, or pytest was killed, before any result was written: red, and said so
             print(f"nanoqwen: rung {rung}: pytest exit {code} and no result written", file=sys.stderr)
         results[rung] = {**data, "exit": code, "seconds": time.perf_counter() - t0}
+        if parts and code == 0 and ran > 0:
+            kept_results.store(parts, out, rung, results[rung]["seconds"])
         if broke:  # the later rungs would break the same way; not even --keep-going runs them
             failed = True  # the report must not read as passed
             break
@@ -610,7 +625,7 @@ def _ladder(args, resources) -> int:
             "model_files": model_files, "baseline": args.baseline, "resources": resources.record(model_files),
             "model_seconds": round(t_convert, 1),
             # the commit of the checkout the rungs imported (ROOT), the library versions, the GPU
-            **ladder_report.environment(ROOT)}
+            **ran_on}
     # coverage is judged on a whole ladder: not on a subset of rungs, nor on a shard (its calls are partial)
     rep, failed = ladder_report.conclude(results, meta, out, failed, baseline,
                                          require_coverage=args.coverage and len(rungs) == len(RUNGS) and not args.shard)
@@ -718,7 +733,7 @@ def print_table(rep: dict, show_coverage: bool) -> None:
     print(f"{'rung':<7}{'exit':>5}{'passed':>8}{'failed':>8}{'skipped':>9}{'seconds':>9}")
     for rung, r in rep["rungs"].items():
         print(f"{rung:<7}{r['exit']:>5}{r.get('passed', 0):>8}{r.get('failed', 0):>8}{r.get('skipped', 0):>9}"
-              f"{r['seconds']:>9.1f}")
+              f"{r['seconds']:>9.1f}" + (f"  kept from {r['kept']['at']}" if r.get("kept") else ""))
     from ladder.run.report import NO_FORMAT, failure_view, op_key
 
     # one row per (rung, backend, format, op): a format's op that fails must not hide behind another's
@@ -774,6 +789,9 @@ def register(sub) -> None:
                           "stops at once, exit 2)")
     lad.add_argument("--rungs", default=",".join(RUNGS), help="comma-separated subset, in order (default: all)")
     lad.add_argument("--keep-going", action="store_true", help="run every rung even after a red one")
+    lad.add_argument("--fresh", action="store_true",
+                     help="run the unit rung even where a green result of the same sources, versions, device, "
+                          "model and options is kept (docs/LADDER.md, Kept results)")
     lad.add_argument("--report", help="report folder (default: reports/ladder-TIMESTAMP under the current folder)")
     lad.add_argument("--baseline", help="an earlier report folder: flag ops that regressed or newly fail")
     lad.add_argument("--coverage", action="store_true", help="list each backend's ops and the rungs that called them")
