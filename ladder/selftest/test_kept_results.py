@@ -117,6 +117,7 @@ def test_the_key_follows_options_variables_and_named_files_not_where_files_go(tm
 
 
 def test_only_a_plain_ci_run_of_the_unit_rung_is_kept(monkeypatch):
+    monkeypatch.setenv(kept.SWITCH, "on")  # the plugin turns it off for the runs the self-tests start
     assert kept.keepable(_args(), "unit")
     assert not any(kept.keepable(_args(), rung) for rung in ("layer", "graph"))
     for kw in (dict(fresh=True), dict(plant_fault="nibble_swap"), dict(shard="1/3"), dict(changed="HEAD~1"),
