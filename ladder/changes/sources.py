@@ -12,17 +12,28 @@ the kernels that run it). One reading, here:
 
 And `cuda_module(name)`: a Python file of kernels/cuda (the loader, the catalog) read by its path, for
 the readers that must work where the package kernels.cuda, which imports CuPy, cannot be imported.
+And `files_digest(root, files)`: one digest of files' paths and bytes, for what must run on the same
+sources (a resumed mutant sample, a kept unit rung).
 """
 
 from __future__ import annotations
 
 import ast
 import bisect
+import hashlib
 import importlib.util
 import re
 from pathlib import Path
 
 CUDA_DIR = Path(__file__).resolve().parents[2] / "kernels" / "cuda"
+
+
+def files_digest(root: Path, files) -> str:
+    """sha256 (hex) over each file's path relative to `root` (as given, '/'-separated) and bytes, in the order given."""
+    h = hashlib.sha256()
+    for rel in files:
+        h.update(str(rel).encode() + b"\0" + (Path(root) / rel).read_bytes() + b"\0")
+    return h.hexdigest()
 
 
 def cuda_module(name: str, folder: Path = CUDA_DIR):

@@ -54,13 +54,12 @@ def keepable(args, rung: str) -> bool:
 
 def sources_digest(root: Path) -> str:
     """sha256 over the project's package files (relative path and bytes), in path order."""
-    h = hashlib.sha256()
+    from ladder.changes.sources import files_digest
+
     files = [root / "conftest.py"] if (root / "conftest.py").is_file() else []
     for pkg in SOURCE_PACKAGES:
         files += [p for p in (root / pkg).rglob("*") if p.is_file() and "__pycache__" not in p.parts]
-    for p in sorted(files):
-        h.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
-    return h.hexdigest()
+    return files_digest(root, sorted(p.relative_to(root).as_posix() for p in files))
 
 
 def _file_identity(path: str | None):

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import datetime
-import hashlib
 import json
 import os
 import random
@@ -583,10 +582,9 @@ def _run(args) -> int:
 
 def sources_digest(files) -> str:
     """A digest of the mutated sources' text: a resumed sample must run on the same sources."""
-    h = hashlib.sha256()
-    for rel in files:
-        h.update(rel.encode() + b"\0" + (ROOT / rel).read_bytes() + b"\0")
-    return h.hexdigest()[:16]
+    from ladder.changes.sources import files_digest
+
+    return files_digest(ROOT, files)[:16]
 
 
 def _take_resumed_options(args, resume: dict) -> None:
