@@ -190,9 +190,9 @@ def pytest_configure(config):
     from ladder.checks.harness import honour_pool_variable
 
     honour_pool_variable()  # NANOQWEN_CUPY_POOL=0: no CuPy pool, for a run under compute-sanitizer memcheck
-    # A `nanoqwen ladder` that a test starts runs its rungs, and keeps nothing in the user's cache
-    # (ladder/run/kept.py); a test of the kept results turns them on for its own run.
-    os.environ.setdefault("NANOQWEN_KEPT_RESULTS", "off")
+    # A `nanoqwen ladder` that a test starts (it inherits this environment) runs its rungs, and keeps nothing
+    # in the user's cache (ladder/run/kept.py); a test of the kept results turns them on for its own run.
+    os.environ["NANOQWEN_KEPT_RESULTS"] = "off"
     for name, doc in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {doc}")
     # A complex value silently cast to real would hide a kernel bug: make it an error in every run.

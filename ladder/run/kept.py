@@ -35,7 +35,7 @@ import tempfile
 from pathlib import Path
 
 KEPT_RUNGS = ("unit",)
-SWITCH = "NANOQWEN_KEPT_RESULTS"  # "off": never serve nor keep (the self-tests' children default to it)
+SWITCH = "NANOQWEN_KEPT_RESULTS"  # "off": never serve nor keep (the test process sets it for the ladders it starts)
 SOURCE_PACKAGES = ("engine", "kernels", "ladder", "reference", "fixtures")
 # variables that say where files go or how often progress is printed: no result depends on them
 NOT_IN_KEY = {"NANOQWEN_CACHE", "NANOQWEN_STALL_SECONDS", "NANOQWEN_PROGRESS_DIR", "NANOQWEN_PROGRESS_SECONDS",

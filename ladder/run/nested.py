@@ -35,7 +35,6 @@ def child_env(backend: str | None = "numpy", pythonpath: str | None = str(REPO),
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
     env[NESTED] = "1"
-    env["NANOQWEN_KEPT_RESULTS"] = "off"  # a child runs its rungs: another test's green result must not stand in
     env.update(extra)
     return env
 
