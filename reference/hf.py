@@ -23,8 +23,31 @@ def _torch():
     return torch
 
 
+class ShadowedKernelsError(ImportError):
+    """The Hugging Face `kernels` distribution is installed: transformers imports it as `kernels`, the
+    name this project's own kernel package holds in the process."""
+
+
+def check_transformers() -> None:
+    """Refuse, in one line, an environment where transformers would import the Hugging Face `kernels`
+    distribution: transformers 5.25 requires it, and imports it (`from kernels import CUDAProperties`)
+    as a model is built, where the name `kernels` is this project's package; the failure would come from
+    deep inside transformers. The pyproject keeps transformers below 5.25 for this."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        found = version("kernels")
+    except PackageNotFoundError:
+        return
+    raise ShadowedKernelsError(
+        f"the Hugging Face 'kernels' distribution {found} is installed, which transformers "
+        f"{version('transformers')} imports under the name of this project's kernels/ package: "
+        "pip install 'transformers<5.25' && pip uninstall -y kernels")
+
+
 def hf_config(config: dict):
     """A transformers Qwen2Config (float32, eager attention) from a config.json dict."""
+    check_transformers()
     from transformers import Qwen2Config
 
     keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
