@@ -123,5 +123,9 @@ class OutOfPagesError(NanoqwenError, RuntimeError):
     """The page allocator has no free page left."""
 
 
+class ModelClosedError(NanoqwenError, RuntimeError):
+    """A model used after `Model.close()` gave its memory back."""
+
+
 # Raised by kernels/ (which cannot import engine/), re-exported here so callers find it with the rest.
 from kernels import BackendUnavailableError  # noqa: E402,F401

@@ -30,8 +30,8 @@ import numpy as np
 
 from engine.block import Workspace, decoder_block
 from engine.config import PAGE_SIZE, Qwen2Config
-from engine.errors import (AllocationTooLargeError, ConfigError, HeaderError, MissingTensorError, PromptTooLongError,
-                           TokenIdError, UnexpectedTensorError, UnknownFormatError)
+from engine.errors import (AllocationTooLargeError, ConfigError, HeaderError, MissingTensorError, ModelClosedError,
+                           PromptTooLongError, TokenIdError, UnexpectedTensorError, UnknownFormatError)
 from engine.kv_cache import PagedKVCache, Sequence
 from engine.weights import LayerWeights, check_linears, iter_tensor_specs, load_layer_weights, plain_tensor_specs
 
@@ -72,10 +72,16 @@ class Model:
         self._logits = be.empty((c.vocab_size,), np.float32)
         self._next = be.empty((1,), np.int32)
         self._graph = None  # engine/cuda_graph.DecodeGraph once enable_cuda_graph() is called
+        self._closed = False
 
     # --- the forward pass ----------------------------------------------------------------------
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ModelClosedError("the model was closed (Model.close): load it again to run it")
+
     def new_sequence(self) -> Sequence:
+        self._check_open()
         return self.cache.new_sequence()
 
     def use_cache(self, cache: PagedKVCache) -> None:
@@ -116,6 +122,7 @@ class Model:
 
     def _prefill(self, seq: Sequence, ids):
         """Run the prompt through the model; the last position's fp32 logits stay on the device."""
+        self._check_open()
         ids = self.check_ids(ids)
         if seq.length + len(ids) > min(self.cache.capacity, self.config.max_position_embeddings):
             raise PromptTooLongError(f"prompt of {len(ids)} tokens (after {seq.length}) is longer than the "
@@ -129,6 +136,7 @@ class Model:
     def step(self, seq: Sequence, token_id: int):
         """One token through the model at position seq.length (the captured graph once
         enable_cuda_graph() is on, else eagerly); returns the fp32 logits [V] on the device, no copy."""
+        self._check_open()
         ids = self.check_ids([token_id])
         if self._graph is not None:
             return self._graph.step(seq, ids)
@@ -138,18 +146,42 @@ class Model:
         """One token through the model at position seq.length; returns fp32 logits (host copy)."""
         return self.backend.to_numpy(self.step(seq, token_id)).copy()
 
+    def close(self) -> None:
+        """Drop the weights, the KV cache, the workspaces and the captured graph, and hand the memory the
+        backend keeps cached for reuse back to the device (`Backend.release_memory`). A process that loads
+        several models one after another, or shares the device with another library, holds one model's
+        memory, not every model's: CuPy's pool keeps a freed array's memory for CuPy, so torch in the same
+        process could not use it (a 7B graph-rung worker of the ladder held 16 GB of two dropped engines
+        beside its HF simulation). The model cannot run afterwards; closing twice is harmless."""
+        if self._closed:
+            return
+        self._closed = True
+        self._graph = None
+        self.layers = []
+        self.embed_tokens = self.norm = self.lm_head = None
+        self.cache = self._decode_ws = self._final_h = self._logits = self._next = None
+        self.backend.release_memory()
+
+    def __enter__(self) -> "Model":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def enable_cuda_graph(self, enabled: bool = True) -> None:
         """Run step/decode_step, and generate's decode loop, as one captured graph per token (a backend with
         supports_graphs; engine/cuda_graph.py)."""
         if not enabled:
             self._graph = None
             return
+        self._check_open()
         from engine.cuda_graph import DecodeGraph
 
         self._graph = DecodeGraph(self)
 
     def generate(self, prompt_ids, max_new_tokens: int, stop_ids=(), timings: Timings | None = None) -> list[int]:
         """Greedy decoding: the new token ids (stopping after a stop id, which is included)."""
+        self._check_open()
         ids = self.check_ids(prompt_ids)
         if max_new_tokens < 0:
             raise ValueError("max_new_tokens must be >= 0")

@@ -104,6 +104,11 @@ class Backend(abc.ABC):
     def synchronize(self) -> None:
         """Wait until every op queued so far has finished."""
 
+    def release_memory(self) -> None:
+        """Hand back to the device the memory this backend keeps cached for reuse after its arrays were
+        dropped (engine Model.close calls it), so that another library in the process (torch) can allocate
+        it. Nothing by default: a host backend's arrays go back to the allocator when dropped."""
+
     @abc.abstractmethod
     def prepare_linear(self, fmt: str, tensors: dict, out_features: int, in_features: int) -> QuantizedWeight:
         """The QuantizedWeight of a `[out_features, in_features]` linear from the file's host tensors;

@@ -273,6 +273,15 @@ class CudaBackend(Backend):
     def synchronize(self) -> None:
         cp.cuda.get_current_stream().synchronize()
 
+    def release_memory(self) -> None:
+        """CuPy's memory pool keeps every freed block for CuPy's next allocation; torch's allocator in the
+        same process cannot use them. Wait for the queued work (a block is free once no queued launch
+        reads it), then give the pool's free blocks on this device, and the pinned host pool's, back.
+        The scratch buffers stay: a captured graph of another live model may read them."""
+        self.synchronize()
+        cp.get_default_memory_pool().free_all_blocks()
+        cp.get_default_pinned_memory_pool().free_all_blocks()
+
     def scratch(self, key: str, shape, dtype) -> cp.ndarray:
         """A reusable buffer of at least `shape`; never freed while the backend lives (graph safety)."""
         n = int(np.prod(shape)) * np.dtype(dtype).itemsize

@@ -21,11 +21,11 @@ def test_three_runs_generate_identical_tokens(backend, model_path, request):
     n_new = request.config.getoption("--new-tokens")
     chosen = spread_by_length(prompts_for_model(model_path, request.config.getoption("--prompts")), PROMPTS)
     runs = []
-    for _ in range(RUNS):
-        model = engine.load(model_path, backend=backend)
-        if backend.supports_graphs:
-            model.enable_cuda_graph(True)
-        runs.append([model.generate(p.ids, tokens_to_generate(len(p.ids), n_new)) for p in chosen])
+    for _ in range(RUNS):  # one load at a time: each closed before the next, so one model's memory is held
+        with engine.load(model_path, backend=backend) as model:
+            if backend.supports_graphs:
+                model.enable_cuda_graph(True)
+            runs.append([model.generate(p.ids, tokens_to_generate(len(p.ids), n_new)) for p in chosen])
     for p, *tokens in zip(chosen, *runs):
         if any(t != tokens[0] for t in tokens[1:]):
             pytest.fail(f"prompt {p.id!r} ({len(p.ids)} tokens): {RUNS} runs on {backend.name} disagree: {tokens}")

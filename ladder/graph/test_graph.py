@@ -28,6 +28,8 @@ to the ladder JSON.
 from __future__ import annotations
 
 import os
+import re
+import sys
 
 import numpy as np
 import pytest
@@ -91,6 +93,7 @@ class ReferenceRuns:
         self._kept = KeptReferences(model_path)
         self._runs = {}
         self._planned = list(planned)  # the prompts this process will ask for (Prompt objects), brought together
+        self._broken: str | None = None  # why building the simulation failed (_building), until release()
 
     def dequantized(self) -> tuple[dict, dict]:
         """(config dict, HF name -> float32 weights): what the simulation and the floor's plain forward
@@ -99,7 +102,9 @@ class ReferenceRuns:
             from reference.hf import model_device
 
             bar = progress_bar(f"HF simulation [{self.label}]: dequantizing", unit="tensors")
-            self.config, self.weights = dequantized_weights(self.model_path, device=model_device(), progress=bar)
+            self.config, self.weights = self._building(
+                "dequantizing its weights",
+                lambda: dequantized_weights(self.model_path, device=model_device(), progress=bar))
         return self.config, self.weights
 
     def model(self):
@@ -107,7 +112,7 @@ class ReferenceRuns:
             from reference.hf import hf_model
 
             config, weights = self.dequantized()
-            self._hf = hf_model(config, weights)
+            self._hf = self._building("building the module", lambda: hf_model(config, weights))
             workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
             params = sum(w.numel() if hasattr(w, "numel") else w.size for w in weights.values())
             # A small model's ops are too short to split across threads (on a busy 2-core machine two
@@ -116,15 +121,36 @@ class ReferenceRuns:
             self._threads = 1 if params < SMALL_MODEL_PARAMS else max(1, (os.cpu_count() or 1) // workers)
         return self._hf
 
-    def release(self) -> None:
-        """Drop the HF simulation and its weights, keep the runs made (rebuilt if a new prompt needs it)."""
-        gpu = self.weights is not None and not isinstance(next(iter(self.weights.values())), np.ndarray)
+    def _building(self, what: str, build):
+        """build(), once: a simulation that could not be built (out of memory, most often) fails every
+        later case of this worker and format at once with the first failure's line, instead of each
+        case spending seconds building it again (a 7B model's copy is 30 GB: 65 cases of one format once
+        took 8 minutes to fail one by one). The partial copy is dropped first."""
+        if self._broken is not None:
+            raise ReferenceUnavailableError(self._broken)
+        try:
+            return build()
+        except Exception as e:
+            line = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")[:300]
+            oom = re.search(r"out ?of ?memory", f"{type(e).__name__} {line}", re.IGNORECASE)
+            hint = " (the rung's workers hold more memory than this machine has: fewer of them with -n)" if oom else ""
+            self._broken = (f"the HF simulation [{self.label}] could not be built on this worker ({what}): "
+                            f"{type(e).__name__}: {line}{hint}; its later cases fail with this line")
+            self._drop()
+            raise
+
+    def _drop(self) -> None:
         self._hf = None
         self.config = self.weights = None
-        if gpu:
-            import torch
-
+        torch = sys.modules.get("torch")  # never imported for this: a run whose references are all kept has none
+        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.empty_cache()  # the float32 copy goes back to the device, for the next format's
+
+    def release(self) -> None:
+        """Drop the HF simulation and its weights, keep the runs made (rebuilt if a new prompt needs it).
+        A failure to build it is forgotten too: the next format's worker memory may allow it."""
+        self._drop()
+        self._broken = None
 
     def get(self, prompt):
         if prompt.id not in self._runs:
@@ -151,6 +177,10 @@ class ReferenceRuns:
         finally:
             torch_threads(before)
             progress.finish()
+
+
+class ReferenceUnavailableError(RuntimeError):
+    """The HF simulation of this worker's format could not be built (ReferenceRuns._building)."""
 
 
 def torch_threads(n: int) -> int:
@@ -215,7 +245,10 @@ def bounds(request, model_path, prompts, references):
 
 @pytest.fixture(scope="module")
 def model(model_path, backend):
-    return engine.load(model_path, backend=backend)
+    """The engine on this format's model; closed when the worker moves on (another format, another
+    module), so its device memory goes back to the device for the next format's HF simulation."""
+    with engine.load(model_path, backend=backend) as m:
+        yield m
 
 
 def decode_modes(model):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import engine
-from engine.errors import PromptTooLongError, TokenIdError
+from engine.errors import ModelClosedError, PromptTooLongError, TokenIdError
 from engine.kv_cache import PagedKVCache
 from fixtures.tiny_model import random_model_file
 from ladder.judges.compare import assert_close
@@ -106,6 +106,46 @@ def test_prompt_longer_than_the_cache_is_refused(model_path, backend):
     with pytest.raises(PromptTooLongError):
         model.prefill(model.new_sequence(), list(range(65)))
     assert model.generate(list(range(60)), 4)  # exactly full is fine
+
+
+def _device_pool():
+    """CuPy's memory pool on the current device (the CUDA backend's allocations)."""
+    import cupy
+
+    return cupy.get_default_memory_pool()
+
+
+def test_a_closed_model_hands_its_memory_back_and_refuses_to_run(model_path, backend):
+    """Model.close drops the weights, cache and workspaces and calls the backend's release_memory: on a
+    device backend the memory pool then holds no more than before the load and caches no free block (a
+    process that also runs torch on the device can allocate it); on the host the arrays are gone."""
+    import weakref
+
+    def run(m):
+        m.generate([5, 6, 7], 3)  # a prefill and decode steps: workspaces, cache pages, the backend's scratch
+        if m.backend.supports_graphs:
+            m.enable_cuda_graph(True)
+            m.generate([5, 6, 7], 3)
+
+    with engine.load(model_path, backend=backend) as first:
+        run(first)  # the scratch buffers a run makes stay with the backend: made here, before the measure
+    pool = _device_pool() if backend.needs_device else None
+    before = pool.used_bytes() if pool else None
+    model = engine.load(model_path, backend=backend)
+    run(model)
+    weights = sum(a.nbytes for a in (model.embed_tokens, model.lm_head))
+    if pool:
+        assert pool.used_bytes() - before >= weights
+    else:
+        held = weakref.ref(model.embed_tokens)
+    model.close()
+    if pool:
+        assert (pool.used_bytes(), pool.free_bytes()) == (before, 0), "closed model's memory kept in the pool"
+    else:
+        assert held() is None, "the closed model still holds its embedding table"
+    with pytest.raises(ModelClosedError, match="closed"):
+        model.generate([5, 6, 7], 1)
+    model.close()  # twice is harmless
 
 
 def test_tied_embeddings_model_runs(tmp_path):
