@@ -1,4 +1,4 @@
-"""Self-tests of the graph rung's HF simulation when it cannot be built (ladder/graph/test_graph.py
+"""Self-tests of the graph rung's HF simulation when it cannot be built (ladder/graph/references.py
 ReferenceRuns): the first failure is kept and fails the format's later cases at once with one line, and
 the half-made float32 copy is gone before the failure propagates (a 7B graph worker out of GPU memory
 once spent 8 minutes failing 65 cases one by one, each dequantizing 30 GB again)."""
@@ -9,13 +9,10 @@ import sys
 
 import pytest
 
-pytest.importorskip("torch", reason="the graph rung's module needs torch to import")
-pytest.importorskip("transformers", reason="the graph rung's module needs transformers to import")
-
-from fixtures import dequantized as dequantized_module  # noqa: E402
-from fixtures.dequantized import dequantized_weights  # noqa: E402
-from fixtures.tiny_model import random_model_file  # noqa: E402
-from ladder.graph import test_graph as graph  # noqa: E402
+from fixtures import dequantized as dequantized_module
+from fixtures.dequantized import dequantized_weights
+from fixtures.tiny_model import random_model_file
+from ladder.graph import references as graph
 
 
 @pytest.fixture(scope="module")
