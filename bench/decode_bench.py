@@ -32,9 +32,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +53,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quant", default="int4_sym_g128", type=quant_argument, metavar="FORMAT,...|all",
+                   help="weight formats to time, each in its own model (default int4_sym_g128); the first gets "
+                        "the before run, the per-kernel tables and the peers, each its own GEMV sweep, checks, "
+                        "TTFT and decode, in one table with bytes per step")
     p.add_argument("--report", default="reports/bench", metavar="DIR", help="folder for bench.json and bench.png")
     from engine.cli import renamed
 
@@ -68,9 +74,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 # ---- the float32 PyTorch reference ------------------------------------------------------------------
 
+def torch_dequant_int4_sym_g128(qweight, scales):
+    """float32 `[out, in]` of int4_sym_g128's stored tensors (torch tensors on any device: the words as
+    int32, the fp16 scales), read in torch from docs/FORMAT.md: nibble k of a word holds element
+    (0, 2, 4, 6, 1, 3, 5, 7)[k] of its 8, value (nibble - 8) * the row's scale of its group of 128."""
+    import torch
+
+    order = [0, 2, 4, 6, 1, 3, 5, 7]
+    out_f, words = qweight.shape
+    nib = torch.stack([(qweight >> (4 * k)) & 0xF for k in range(8)], dim=-1)  # [out, words, nibble k]
+    elem = torch.empty_like(nib)
+    elem[..., order] = nib
+    vals = elem.reshape(out_f, words * 8).float() - 8.0
+    return vals * scales.float().repeat_interleave(GROUP, dim=1)
+
+
 def torch_reference_logits(model, ids, last: int):
     """fp32 logits of the last `last` positions of `ids` (one causal forward pass), from the engine's
-    device tensors dequantized independently in PyTorch. TF32 off."""
+    device tensors dequantized independently of the engine: int4_sym_g128 in torch on the device
+    (`torch_dequant_int4_sym_g128`), every other format by reference/formats.py on the host's threads,
+    a layer ahead. TF32 off."""
     import torch
     import torch.nn.functional as F
 
@@ -79,16 +102,22 @@ def torch_reference_logits(model, ids, last: int):
     c = model.config
     t = lambda a: torch.from_dlpack(a)  # noqa: E731  zero-copy from CuPy (or NumPy)
     dev = t(model.embed_tokens).device
-    order = [0, 2, 4, 6, 1, 3, 5, 7]  # nibble k holds element order[k] of its word
+    pool = ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1)))
 
-    def deq(q):
-        qw = t(q["qweight"].view(np.int32))
-        out_f, words = qw.shape
-        nib = torch.stack([(qw >> (4 * k)) & 0xF for k in range(8)], dim=-1)  # [out, words, nibble k]
-        elem = torch.empty_like(nib)
-        elem[..., order] = nib
-        vals = elem.reshape(out_f, words * 8).float() - 8.0
-        return vals * t(q["scales"]).float().repeat_interleave(GROUP, dim=1)
+    def host_deq(q):  # a future: reference/formats.py's reading of the stored tensors, in float32
+        from reference.formats import REF_DEQUANT
+
+        host = {k: model.backend.to_numpy(a) for k, a in q.tensors.items()}
+        return pool.submit(REF_DEQUANT[q.format], host, np.float32)
+
+    def deq(q, ahead):
+        if q.format == "int4_sym_g128":
+            return torch_dequant_int4_sym_g128(t(q["qweight"].view(np.int32)), t(q["scales"]))
+        return torch.from_numpy(ahead.result()).to(dev)
+
+    keys = ("qkv", "o_proj", "gate_up", "down")
+    on_host = model.layers[0].qkv.format != "int4_sym_g128"
+    pending = [{k: host_deq(getattr(w, k)) for k in keys} for w in model.layers[:1]] if on_host else [{}]
 
     def rms(x, w):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps) * t(w).float()
@@ -105,9 +134,12 @@ def torch_reference_logits(model, ids, last: int):
         v1, v2 = v[..., : d // 2], v[..., d // 2:]
         return v * cos[:, None] + torch.cat([-v2, v1], -1) * sin[:, None]
 
-    for w in model.layers:
+    for i, w in enumerate(model.layers):
+        ahead = pending.pop(0)
+        if on_host and i + 1 < len(model.layers):
+            pending.append({k: host_deq(getattr(model.layers[i + 1], k)) for k in keys})
         h = rms(x, w.input_layernorm)
-        qkv = h @ deq(w.qkv).T + t(w.qkv_bias).float()
+        qkv = h @ deq(w.qkv, ahead.get("qkv")).T + t(w.qkv_bias).float()
         q = rope(qkv[:, : nq * d].reshape(T, nq, d))
         k = rope(qkv[:, nq * d: (nq + nkv) * d].reshape(T, nkv, d))
         v = qkv[:, (nq + nkv) * d:].reshape(T, nkv, d)
@@ -115,11 +147,12 @@ def torch_reference_logits(model, ids, last: int):
         v = v.repeat_interleave(nq // nkv, dim=1)
         a = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                            is_causal=True)[0].transpose(0, 1).reshape(T, nq * d)
-        x = x + a @ deq(w.o_proj).T
+        x = x + a @ deq(w.o_proj, ahead.get("o_proj")).T
         h = rms(x, w.post_attention_layernorm)
-        gu = h @ deq(w.gate_up).T
+        gu = h @ deq(w.gate_up, ahead.get("gate_up")).T
         g, u = gu[:, : c.intermediate_size], gu[:, c.intermediate_size:]
-        x = x + (F.silu(g) * u) @ deq(w.down).T
+        x = x + (F.silu(g) * u) @ deq(w.down, ahead.get("down")).T
+    pool.shutdown()
     h = rms(x[-last:], model.norm)
     out = (h @ t(model.lm_head).float().T).cpu().numpy()
     del x, h
@@ -303,6 +336,10 @@ def chart(results, path):
         print("(matplotlib is not installed here: no chart)")
         return None
     labels, vals = ["nanoqwen graph", "nanoqwen eager"], [results["decode"]["graph_ms_median"], results["decode"]["eager_ms_median"]]
+    for q, f in list(results.get("formats", {}).items())[1:]:
+        if f.get("passed"):
+            labels.append(f"nanoqwen graph [{q}]")
+            vals.append(f["decode"]["graph_ms_median"])
     for name, p in results.get("peers", {}).items():
         if "decode_ms_median" in p:
             labels.append(p.get("label", name))
@@ -339,16 +376,63 @@ def main(args) -> int:
     results["copy_tbs"] = copy_rate()
     print(f"  copy rate {results['copy_tbs']:.3f} TB/s ({time.perf_counter() - t0:.1f} s)", flush=True)
 
-    t0 = time.perf_counter()
-    model = build_model(cfg, args.seed, cache_tokens=args.prompt_len + args.new_tokens + 16)
-    print(f"  random INT4 model built on the GPU ({time.perf_counter() - t0:.1f} s)", flush=True)
+    formats = args.quant if isinstance(args.quant, list) else bench_formats(args.quant)
+    results["formats"] = {}
     rng = np.random.default_rng(args.seed)
     prompt = rng.integers(0, cfg.vocab_size, args.prompt_len).astype(np.int32).tolist()
+    for i, quant in enumerate(formats):
+        t0 = time.perf_counter()
+        model = build_model(cfg, args.seed, cache_tokens=args.prompt_len + args.new_tokens + 16, quant=quant)
+        print(f"[{quant}] random model built on the GPU ({time.perf_counter() - t0:.1f} s)", flush=True)
+        try:
+            if i == 0:
+                row = bench_first_format(model, prompt, args, results)
+            else:
+                row = bench_format(model, prompt, args, results["copy_tbs"])
+        finally:
+            model.close()  # its memory back to the device for the next format and the peers
+        results["formats"][quant] = row
+        if not row["passed"]:
+            (outdir / "bench.json").write_text(json.dumps(results, indent=1))
+            print(f"FAIL: the engine's tokens are wrong in {quant}; no times are reported")
+            return 1
+    results.update({k: results["formats"][formats[0]][k] for k in ("checks", "bytes_per_step", "floor_ms", "decode")})
+    cp.get_default_memory_pool().free_all_blocks()
+    run_peers(args, results)
 
+    (outdir / "bench.json").write_text(json.dumps(results, indent=1))
+    png = chart(results, outdir / "bench.png")
+    print_table(results, png)
+    return 0
+
+
+def bench_formats(spec: str) -> list[str]:
+    """The formats of --quant: a comma list of registered formats, or `all`; ValueError naming a bad one."""
+    from engine.formats import FORMATS
+
+    names = list(FORMATS) if spec.strip() == "all" else [q.strip() for q in spec.split(",") if q.strip()]
+    bad = [q for q in names if q not in FORMATS]
+    if bad or not names:
+        raise ValueError(f"{bad[0] if bad else spec!r} is not a weight format; one of {', '.join(FORMATS)} or all")
+    return list(dict.fromkeys(names))
+
+
+def quant_argument(text: str) -> list[str]:
+    """--quant's type: refused by argparse in one line, before the backend is asked for."""
+    try:
+        return bench_formats(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def bench_first_format(model, prompt, args, results) -> dict:
+    """The first format: the before run, the sweeps, the checks, the protocol and the per-kernel tables
+    (into `results`); returns its row of the formats table."""
+    quant = model.quant
     if not args.no_before:  # the step as shipped (or as --before-set says), before the sweeps pick: same run, ratios hold
         try:
             with backend_settings(model.backend, args.before_set) as settings:
-                results["before"] = {"settings": settings, "gemv_config": dict(model.backend.gemv_config["int4_sym_g128"]),
+                results["before"] = {"settings": settings, "gemv_config": dict(model.backend.gemv_config[quant]),
                                      "graph_ms_median": graph_step_ms(model, prompt), "ttft_ms": ttft_ms(model, prompt)}
         except ValueError as e:  # a knob refused its value (the message names the value and the choices)
             raise SystemExit(f"nanoqwen bench: --before-set {args.before_set}: {e}") from None
@@ -358,9 +442,7 @@ def main(args) -> int:
     if not args.no_sweep:
         t0 = time.perf_counter()
         results["gemv_sweep"] = sweep_gemv(model, seq, first)
-        for op, r in results["gemv_sweep"].items():
-            vs = ", ".join(f"{k} {v['ms'] * 1e3:.1f}us{'' if v['ok'] else ' WRONG'}" for k, v in r["variants"].items())
-            print(f"  sweep {op:16s} chosen {r['chosen']}: {vs}", flush=True)
+        print_sweep(results["gemv_sweep"])
         results["attention_sweep"] = sweep_attention(model, seq, first)
         vs = ", ".join(f"{k} {v['ms'] * 1e3:.1f}us{'' if v['ok'] else ' WRONG'}"
                        for k, v in results["attention_sweep"]["variants"].items())
@@ -369,8 +451,38 @@ def main(args) -> int:
     results["gemv_config"] = dict(model.backend.gemv_config)
     results["attention_variant"] = model.backend.attention_variant
     seq.free()
+    row = checked_and_timed(model, prompt, args, results["copy_tbs"])
+    if row["passed"]:
+        seq, first = prefilled(model, prompt)
+        results["kernels"] = per_kernel_table(model, seq, first, results["copy_tbs"])
+        seq.free()
+        results["prefill_kernels"] = prefill_table(model, prompt)
+    return row
 
-    # ---- correctness first: a fast wrong engine reports nothing
+
+def bench_format(model, prompt, args, copy_tbs: float) -> dict:
+    """A further format: its own GEMV sweep (each format at its fastest variants), the checks, the
+    protocol; its row of the formats table."""
+    if not args.no_sweep:
+        seq, first = prefilled(model, prompt)
+        sweep = sweep_gemv(model, seq, first)
+        seq.free()
+        print_sweep(sweep)
+    row = checked_and_timed(model, prompt, args, copy_tbs)
+    if not args.no_sweep:
+        row["gemv_sweep"] = sweep
+    return row
+
+
+def print_sweep(sweep: dict) -> None:
+    for op, r in sweep.items():
+        vs = ", ".join(f"{k} {v['ms'] * 1e3:.1f}us{'' if v['ok'] else ' WRONG'}" for k, v in r["variants"].items())
+        print(f"  sweep {op:16s} chosen {r['chosen']}: {vs}", flush=True)
+
+
+def checked_and_timed(model, prompt, args, copy_tbs: float) -> dict:
+    """Correctness first (graph == eager, the first 8 tokens against the float32 reference; a fast wrong
+    engine reports nothing), then the protocol and the bytes a step reads: the format's row."""
     t0 = time.perf_counter()
     eager = greedy_tokens(model, prompt, args.new_tokens, graph=False)
     graph = greedy_tokens(model, prompt, args.new_tokens, graph=True)
@@ -381,38 +493,22 @@ def main(args) -> int:
     if not args.no_reference:
         ok, rows = reference_check(model, prompt, graph)
         checks["reference_ok"], checks["reference"] = ok, rows
-    results["checks"] = checks
     print(f"  checks ({time.perf_counter() - t0:.1f} s): graph == eager: {checks['graph_equals_eager']}; "
           f"fp32 reference: {checks.get('reference_ok', 'skipped')} "
           f"{[r['status'] for r in checks.get('reference', [])]}", flush=True)
-    passed = checks["graph_equals_eager"] and checks.get("reference_ok", True)
-    if not passed:
-        (outdir / "bench.json").write_text(json.dumps(results, indent=1))
-        print("FAIL: the engine's tokens are wrong; no times are reported")
-        return 1
-
-    # ---- times
+    row = {"checks": checks, "passed": checks["graph_equals_eager"] and checks.get("reference_ok", True)}
+    if not row["passed"]:
+        return row
     ctx = args.prompt_len + 1
-    results["bytes_per_step"] = step_bytes(model, ctx)
-    results["floor_ms"] = results["bytes_per_step"] / (results["copy_tbs"] * 1e12) * 1e3
-    results["decode"] = run_protocol(model, prompt, args.new_tokens)
-    seq, first = prefilled(model, prompt)
-    results["kernels"] = per_kernel_table(model, seq, first, results["copy_tbs"])
-    seq.free()
-    results["prefill_kernels"] = prefill_table(model, prompt)
-    d = results["decode"]
+    row["bytes_per_step"] = step_bytes(model, ctx)
+    row["floor_ms"] = row["bytes_per_step"] / (copy_tbs * 1e12) * 1e3
+    d = row["decode"] = run_protocol(model, prompt, args.new_tokens)
     d["tokens_per_s"] = 1e3 / d["graph_ms_median"]
-    d["achieved_tbs"] = results["bytes_per_step"] / (d["graph_ms_median"] * 1e-3) / 1e12
-    d["ratio_to_floor"] = d["graph_ms_median"] / results["floor_ms"]
-
-    del model
-    cp.get_default_memory_pool().free_all_blocks()
-    run_peers(args, results)
-
-    (outdir / "bench.json").write_text(json.dumps(results, indent=1))
-    png = chart(results, outdir / "bench.png")
-    print_table(results, png)
-    return 0
+    d["achieved_tbs"] = row["bytes_per_step"] / (d["graph_ms_median"] * 1e-3) / 1e12
+    d["ratio_to_floor"] = d["graph_ms_median"] / row["floor_ms"]
+    print(f"  {model.quant}: TTFT {d['ttft_ms']:.2f} ms, decode {d['graph_ms_median']:.3f} ms/token "
+          f"({d['achieved_tbs']:.2f} TB/s of {row['bytes_per_step'] / 1e9:.3f} GB a step)", flush=True)
+    return row
 
 
 def print_table(r, png):
@@ -458,7 +554,26 @@ def print_table(r, png):
             vs = "  ".join(f"{v} {ms:.3f}" for v, ms in k.get("variants", {}).items())
             print(f"{k['op']:34s} {k['calls']:5d} {k['ms_per_call'] * 1e3:8.1f} {k['ms_per_step']:8.3f}" + (f"   kernels: {vs}" if vs else ""))
         print(f"{'sum of ops':34s} {'':5s} {'':8s} {tot:8.3f}   vs TTFT {d['ttft_ms']:.2f} ms (host wall)")
+    print_formats(r)
     print("JSON: bench.json" + (f", chart: {Path(png).name}" if png else "") + f" in {r.get('out', '')}")
+
+
+def print_formats(r) -> None:
+    """One row a format (--quant): what a step reads, its floor, TTFT and decode, and the rate it reads its
+    bytes at against int4_sym_g128's in the same run (a format slower per byte has a kernel to mend)."""
+    rows = {q: f for q, f in r.get("formats", {}).items() if f.get("passed")}
+    if len(rows) < 2:
+        return
+    base = rows.get("int4_sym_g128", {}).get("decode", {}).get("achieved_tbs")
+    print(f"\n{'format (prompt ' + str(r['prompt_len']) + ')':34s} {'GB/step':>8s} {'floor':>8s} {'TTFT ms':>8s} "
+          f"{'ms/tok':>8s} {'x floor':>8s} {'TB/s':>6s} {'per byte':>9s}")
+    for q, f in rows.items():
+        d = f["decode"]
+        rel = f"{d['achieved_tbs'] / base:9.2f}" if base else f"{'-':>9s}"
+        print(f"{q:34s} {f['bytes_per_step'] / 1e9:8.3f} {f['floor_ms']:8.3f} {d['ttft_ms']:8.2f} "
+              f"{d['graph_ms_median']:8.3f} {d['ratio_to_floor']:8.2f} {d['achieved_tbs']:6.2f} {rel}")
+    if base:
+        print("per byte: the format's TB/s over int4_sym_g128's, in this run (below 1: slower per byte read)")
 
 
 def cli_main(argv=None) -> int:

@@ -1,0 +1,81 @@
+"""Self-tests of `nanoqwen bench --quant`: the formats it takes, the torch reading of int4_sym_g128 its
+float32 check uses (against reference/formats.py), and the table that puts the formats side by side.
+The bench needs a GPU; these parts do not. bench/ is a leaf (ladder/selftest/arrows.py): its functions
+run in a child interpreter, as `python -m bench...` runs them, never imported here."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from engine.formats import FORMATS
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def in_bench(code: str) -> str:
+    """Run `code` in a child interpreter at the repository root, `decode_bench` imported; its stdout."""
+    script = "from bench import decode_bench\n" + textwrap.dedent(code)
+    res = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout
+
+
+def test_quant_takes_all_or_a_list_in_order_once_each_and_refuses_the_rest():
+    got = json.loads(in_bench("""
+        import json
+        bad = {}
+        for text in ("", "int3", "int4_sym_g128,,nope"):
+            try:
+                decode_bench.bench_formats(text)
+            except ValueError as e:
+                bad[text] = str(e)
+        print(json.dumps({"all": decode_bench.bench_formats("all"), "bad": bad,
+                          "list": decode_bench.bench_formats(" int8_sym_channel,int4_sym_g128 ,int8_sym_channel")}))
+    """))
+    assert got["all"] == list(FORMATS)
+    assert got["list"] == ["int8_sym_channel", "int4_sym_g128"]
+    assert set(got["bad"]) == {"", "int3", "int4_sym_g128,,nope"}
+    assert "'nope' is not a weight format" in got["bad"]["int4_sym_g128,,nope"]
+
+
+def test_the_torch_reading_of_int4_sym_g128_is_the_references():
+    pytest.importorskip("torch", reason="the bench's float32 check runs in torch")
+    out = in_bench("""
+        import numpy as np, torch
+        from engine.formats import get_format
+        from reference.formats import REF_DEQUANT
+        w = np.random.default_rng(3).standard_normal((24, 384)).astype(np.float32)
+        stored = get_format("int4_sym_g128").quantize(w)
+        got = decode_bench.torch_dequant_int4_sym_g128(torch.from_numpy(stored["qweight"].view(np.int32)),
+                                                       torch.from_numpy(stored["scales"]))
+        want = REF_DEQUANT["int4_sym_g128"](stored, np.float32)
+        print(got.dtype, tuple(got.shape), bool(np.array_equal(got.numpy(), want)), float(np.abs(want).max()))
+    """)
+    dtype, *shape, equal, peak = out.split()
+    assert (dtype, equal) == ("torch.float32", "True") and float(peak) > 0, out
+
+
+def test_the_formats_table_gives_each_format_its_rate_per_byte_against_int4_sym():
+    out = in_bench("""
+        def row(b, ms):
+            floor = b / 4.3e12 * 1e3
+            return {"passed": True, "bytes_per_step": b, "floor_ms": floor,
+                    "decode": {"ttft_ms": 20.0, "graph_ms_median": ms, "ratio_to_floor": ms / floor,
+                               "achieved_tbs": b / (ms * 1e-3) / 1e12}}
+        decode_bench.print_formats({"prompt_len": 512, "formats": {
+            "int4_sym_g128": row(4.5e9, 2.5), "int8_sym_channel": row(8.1e9, 9.0), "fp8_e4m3_channel": {"passed": False}}})
+        print("--")
+        decode_bench.print_formats({"prompt_len": 512, "formats": {"int4_sym_g128": row(4.5e9, 2.5)}})
+    """)
+    table, alone = out.split("--\n")
+    rows = {ln.split()[0]: ln.split() for ln in table.splitlines() if ln.split() and ln.split()[0] in FORMATS}
+    assert set(rows) == {"int4_sym_g128", "int8_sym_channel"}  # a format that failed its checks has no times
+    assert rows["int4_sym_g128"][-1] == "1.00"
+    assert rows["int8_sym_channel"][-1] == f"{(8.1e9 / 9.0) / (4.5e9 / 2.5):.2f}" == "0.50"
+    assert alone == ""  # one format: the main table says it all
