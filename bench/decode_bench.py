@@ -32,11 +32,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -74,10 +72,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 # ---- the float32 PyTorch reference ------------------------------------------------------------------
 
-def torch_dequant_int4_sym_g128(qweight, scales):
-    """float32 `[out, in]` of int4_sym_g128's stored tensors (torch tensors on any device: the words as
-    int32, the fp16 scales), read in torch from docs/FORMAT.md: nibble k of a word holds element
-    (0, 2, 4, 6, 1, 3, 5, 7)[k] of its 8, value (nibble - 8) * the row's scale of its group of 128."""
+def _torch_nibbles(qweight):
+    """uint32 words `[out, in/8]` as int32 (a torch tensor) -> the nibbles `[out, in]`, element order:
+    nibble k of a word holds element (0, 2, 4, 6, 1, 3, 5, 7)[k] of its 8 (docs/FORMAT.md)."""
     import torch
 
     order = [0, 2, 4, 6, 1, 3, 5, 7]
@@ -85,15 +82,33 @@ def torch_dequant_int4_sym_g128(qweight, scales):
     nib = torch.stack([(qweight >> (4 * k)) & 0xF for k in range(8)], dim=-1)  # [out, words, nibble k]
     elem = torch.empty_like(nib)
     elem[..., order] = nib
-    vals = elem.reshape(out_f, words * 8).float() - 8.0
-    return vals * scales.float().repeat_interleave(GROUP, dim=1)
+    return elem.reshape(out_f, words * 8)
+
+
+def torch_dequant(fmt: str, t: dict):
+    """float32 `[out, in]` of a format's stored tensors, read in torch from docs/FORMAT.md on whatever
+    device they are on (no engine/ or kernels/ code): the bench's float32 check, every format. `t`: the
+    stored tensors as torch tensors, the uint32 words viewed as int32."""
+    import torch
+
+    if fmt == "int4_sym_g128":  # (n - 8) * the row's scale of its group of 128
+        return (_torch_nibbles(t["qweight"]).float() - 8.0) * t["scales"].float().repeat_interleave(GROUP, dim=1)
+    if fmt == "int4_asym_g128":  # (q - z) * s; a group's word: fp16 s in bits 0..15, fp16 (1024 + z) in 16..31
+        sz = t["scale_zero"]
+        s = (sz & 0xFFFF).to(torch.int16).view(torch.float16).float()
+        z = ((sz >> 16) & 0xFFFF).to(torch.int16).view(torch.float16).float() - 1024.0
+        q = _torch_nibbles(t["qweight"]).float()
+        return (q - z.repeat_interleave(GROUP, dim=1)) * s.repeat_interleave(GROUP, dim=1)
+    if fmt == "int8_sym_channel":  # q * the row's scale
+        return t["qweight"].float() * t["scales"].float()[:, None]
+    if fmt == "fp8_e4m3_channel":  # e4m3(q) * the row's scale (torch's float8_e4m3fn: the same encoding)
+        return t["qweight"].view(torch.float8_e4m3fn).float() * t["scales"].float()[:, None]
+    raise ValueError(f"the bench's float32 check has no reading of format {fmt!r}")
 
 
 def torch_reference_logits(model, ids, last: int):
     """fp32 logits of the last `last` positions of `ids` (one causal forward pass), from the engine's
-    device tensors dequantized independently of the engine: int4_sym_g128 in torch on the device
-    (`torch_dequant_int4_sym_g128`), every other format by reference/formats.py on the host's threads,
-    a layer ahead. TF32 off."""
+    device tensors dequantized independently in PyTorch (`torch_dequant`). TF32 off."""
     import torch
     import torch.nn.functional as F
 
@@ -102,22 +117,9 @@ def torch_reference_logits(model, ids, last: int):
     c = model.config
     t = lambda a: torch.from_dlpack(a)  # noqa: E731  zero-copy from CuPy (or NumPy)
     dev = t(model.embed_tokens).device
-    pool = ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1)))
 
-    def host_deq(q):  # a future: reference/formats.py's reading of the stored tensors, in float32
-        from reference.formats import REF_DEQUANT
-
-        host = {k: model.backend.to_numpy(a) for k, a in q.tensors.items()}
-        return pool.submit(REF_DEQUANT[q.format], host, np.float32)
-
-    def deq(q, ahead):
-        if q.format == "int4_sym_g128":
-            return torch_dequant_int4_sym_g128(t(q["qweight"].view(np.int32)), t(q["scales"]))
-        return torch.from_numpy(ahead.result()).to(dev)
-
-    keys = ("qkv", "o_proj", "gate_up", "down")
-    on_host = model.layers[0].qkv.format != "int4_sym_g128"
-    pending = [{k: host_deq(getattr(w, k)) for k in keys} for w in model.layers[:1]] if on_host else [{}]
+    def deq(q):
+        return torch_dequant(q.format, {k: t(a.view(np.int32) if a.dtype == np.uint32 else a) for k, a in q.tensors.items()})
 
     def rms(x, w):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps) * t(w).float()
@@ -134,12 +136,9 @@ def torch_reference_logits(model, ids, last: int):
         v1, v2 = v[..., : d // 2], v[..., d // 2:]
         return v * cos[:, None] + torch.cat([-v2, v1], -1) * sin[:, None]
 
-    for i, w in enumerate(model.layers):
-        ahead = pending.pop(0)
-        if on_host and i + 1 < len(model.layers):
-            pending.append({k: host_deq(getattr(model.layers[i + 1], k)) for k in keys})
+    for w in model.layers:
         h = rms(x, w.input_layernorm)
-        qkv = h @ deq(w.qkv, ahead.get("qkv")).T + t(w.qkv_bias).float()
+        qkv = h @ deq(w.qkv).T + t(w.qkv_bias).float()
         q = rope(qkv[:, : nq * d].reshape(T, nq, d))
         k = rope(qkv[:, nq * d: (nq + nkv) * d].reshape(T, nkv, d))
         v = qkv[:, (nq + nkv) * d:].reshape(T, nkv, d)
@@ -147,12 +146,11 @@ def torch_reference_logits(model, ids, last: int):
         v = v.repeat_interleave(nq // nkv, dim=1)
         a = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                            is_causal=True)[0].transpose(0, 1).reshape(T, nq * d)
-        x = x + a @ deq(w.o_proj, ahead.get("o_proj")).T
+        x = x + a @ deq(w.o_proj).T
         h = rms(x, w.post_attention_layernorm)
-        gu = h @ deq(w.gate_up, ahead.get("gate_up")).T
+        gu = h @ deq(w.gate_up).T
         g, u = gu[:, : c.intermediate_size], gu[:, c.intermediate_size:]
-        x = x + (F.silu(g) * u) @ deq(w.down, ahead.get("down")).T
-    pool.shutdown()
+        x = x + (F.silu(g) * u) @ deq(w.down).T
     h = rms(x[-last:], model.norm)
     out = (h @ t(model.lm_head).float().T).cpu().numpy()
     del x, h

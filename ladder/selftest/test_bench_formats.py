@@ -44,21 +44,27 @@ def test_quant_takes_all_or_a_list_in_order_once_each_and_refuses_the_rest():
     assert "'nope' is not a weight format" in got["bad"]["int4_sym_g128,,nope"]
 
 
-def test_the_torch_reading_of_int4_sym_g128_is_the_references():
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_the_benchs_torch_reading_of_every_format_is_the_references_to_the_bit(fmt):
+    """The bench's float32 check dequantizes on the GPU in torch (bench/decode_bench.py torch_dequant);
+    on the host here, the same code must give reference/formats.py's float32 weights bit for bit, on
+    weights with every nibble, zero point and fp8 code in play."""
     pytest.importorskip("torch", reason="the bench's float32 check runs in torch")
-    out = in_bench("""
+    out = in_bench(f"""
         import numpy as np, torch
         from engine.formats import get_format
         from reference.formats import REF_DEQUANT
-        w = np.random.default_rng(3).standard_normal((24, 384)).astype(np.float32)
-        stored = get_format("int4_sym_g128").quantize(w)
-        got = decode_bench.torch_dequant_int4_sym_g128(torch.from_numpy(stored["qweight"].view(np.int32)),
-                                                       torch.from_numpy(stored["scales"]))
-        want = REF_DEQUANT["int4_sym_g128"](stored, np.float32)
-        print(got.dtype, tuple(got.shape), bool(np.array_equal(got.numpy(), want)), float(np.abs(want).max()))
+        rng = np.random.default_rng(3)
+        w = (rng.standard_normal((24, 384)) * rng.uniform(0.01, 3, (24, 1))).astype(np.float32)
+        w[:, :128] += 1.5  # a shifted group: the asymmetric format's zero points away from 8
+        stored = get_format({fmt!r}).quantize(w)
+        t = {{k: torch.from_numpy(v.view(np.int32) if v.dtype == np.uint32 else v) for k, v in stored.items()}}
+        got = decode_bench.torch_dequant({fmt!r}, t)
+        want = REF_DEQUANT[{fmt!r}](stored, np.float32)
+        print(got.dtype, bool(np.array_equal(got.numpy(), want)), float(np.abs(want).max()), len(np.unique(want)))
     """)
-    dtype, *shape, equal, peak = out.split()
-    assert (dtype, equal) == ("torch.float32", "True") and float(peak) > 0, out
+    dtype, equal, peak, distinct = out.split()
+    assert (dtype, equal) == ("torch.float32", "True") and float(peak) > 0 and int(distinct) > 30, out
 
 
 def test_the_formats_table_gives_each_format_its_rate_per_byte_against_int4_sym():
