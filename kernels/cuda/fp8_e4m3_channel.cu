@@ -5,9 +5,11 @@
 //     the e4m3 decoder: a 16-byte load is 16 consecutive e4m3 bytes of a row, decoded two at a time by
 //     the hardware conversion cvt.rn.f16x2.e4m3x2 (sm_89+; every e4m3 value is exact in fp16), widened
 //     to fp32, multiplied by fp32 x; the row's fp32 total is multiplied once by the row's fp16 scale;
-//   * prefill (T > 1): fp8_e4m3_channel_dequant_f32 writes the exact fp32 weight decode(q) * s (4 x 11
-//     significant bits) into a scratch buffer, cuBLAS multiplies in fp32 (the launcher,
-//     kernels/cuda/fp8_e4m3_channel.py), and the shared epilogues of epilogues.cu finish.
+//   * prefill (T > 1), one of (the launcher kernels/cuda/fp8_e4m3_channel.py picks by
+//     backend.prefill_variant), then the shared epilogues of epilogues.cu:
+//     - "cublas": fp8_e4m3_channel_dequant_f32 writes the exact fp32 weight decode(q) * s (4 x 11
+//       significant bits) into a scratch buffer and cuBLAS multiplies in fp32;
+//     - "pipe" / "pipe64": the tensor-core GEMM of pipe8.cuh, q decoded to fp16 in the B fragments.
 //
 // Layout the loads assume: qweight uint8 [out, in] row-major with in % 16 == 0 (the format's
 // in_multiple), so every row starts 16-byte aligned and holds in / 16 whole chunks; x fp16 [T, in],
@@ -20,6 +22,7 @@
 // Entry points: fp8_e4m3_channel_gemv_<epilogue>_t<THREADS>_r<R>, written out (not a macro) so that the
 // loader and the compile test see every name; the launcher picks one per op (backend.gemv_config).
 #include "gemv_rows.cuh"
+#include "pipe8.cuh"
 
 // ---- unpack helpers --------------------------------------------------------------------------------
 
@@ -90,6 +93,17 @@ extern "C" __global__ void __launch_bounds__(256) fp8_e4m3_channel_gemv_residual
 extern "C" __global__ void __launch_bounds__(256) fp8_e4m3_channel_gemv_silu_mul_f16_t256_r8(
     const f16_bits* x, const unsigned char* qweight, const f16_bits* scales, f16_bits* out, int rows, int in_f) {
     gemv_rows<DecodeFp8E4m3Channel, EPI_SILU_MUL_F16, 256, 8>(x, reinterpret_cast<const uint4*>(qweight), scales, nullptr, out, nullptr, rows, in_f);
+}
+
+// ---- prefill on the tensor cores (pipe8.cuh): "pipe" 128 x 128 tiles, "pipe64" 64 x 128 ----------------
+
+extern "C" __global__ void __launch_bounds__(256, 1)
+fp8_e4m3_channel_mma_pipe_f32(const f16_bits* x, const unsigned char* qweight, const f16_bits* scales, float* y, int T, int N, int K) {
+    byte_mma_pipe<4, E4m3Bytes>(x, reinterpret_cast<const unsigned char*>(qweight), scales, y, T, N, K);
+}
+extern "C" __global__ void __launch_bounds__(256, 2)
+fp8_e4m3_channel_mma_pipe64_f32(const f16_bits* x, const unsigned char* qweight, const f16_bits* scales, float* y, int T, int N, int K) {
+    byte_mma_pipe<2, E4m3Bytes>(x, reinterpret_cast<const unsigned char*>(qweight), scales, y, T, N, K);
 }
 
 // ---- prefill path: the exact fp32 weight ------------------------------------------------------------

@@ -3,8 +3,9 @@
 qweight uint8 e4m3 codes [out, in] row-major, scales fp16 [out] (docs/FORMAT.md), read as stored;
 in % 16 == 0 (a 16-byte load is 16 weights of a row). Decode: fp8_e4m3_channel_gemv_<epilogue>_
 t<threads>_r<R> (gemv_rows.cuh's CUDA-core body; the hardware conversion cvt.rn.f16x2.e4m3x2 decodes).
-Prefill: fp8_e4m3_channel_dequant_f32 into an fp32 scratch weight (decode(q) * s is exact in fp32),
-then one cuBLAS fp32 GEMM (linear.DequantLinear).
+Prefill, by backend.prefill_variant: "cublas", fp8_e4m3_channel_dequant_f32 into an fp32 scratch weight
+(decode(q) * s is exact in fp32), then one cuBLAS fp32 GEMM (linear.DequantLinear); or "pipe" /
+"pipe64", the tensor-core kernels fp8_e4m3_channel_mma_pipe{,64}_f32 (pipe8.cuh, linear.BytePipeLinear).
 
 `hardware_encode` / `hardware_decode` run the GPU's own e4m3 conversions on host arrays, for the unit
 test that holds the format's NumPy definition to them bit for bit (ladder/unit/test_fp8_hardware.py).
@@ -16,7 +17,7 @@ import cupy as cp
 import numpy as np
 
 from kernels.cuda import loader
-from kernels.cuda.linear import DequantLinear, blocks, i32
+from kernels.cuda.linear import BytePipeLinear, blocks, i32
 
 GEMV_KERNEL = "fp8_e4m3_channel_gemv"
 CHUNK_INPUTS = 16  # inputs of one 16-byte weight load (8-bit weights): the step of the CUDA-core
@@ -27,12 +28,18 @@ DEFAULT_CONFIG = {"qkv_proj": "t128_r4", "o_proj_residual": "t128_r4", "gate_up_
                   "down_residual": "t128_r4"}
 
 
+# prefill kernels (linear.BytePipeLinear): the shipped cuBLAS path until the tensor-core ones are measured
+# on an H200 (bench/prefill_gemm.py times each; bench/NOTES.md v5)
+PREFILL_VARIANTS = ("cublas", "pipe", "pipe64")
+DEFAULT_PREFILL = "cublas"
+
+
 def specs(out_features: int, in_features: int) -> dict:
     return {"qweight": (np.uint8, (out_features, in_features)), "scales": (np.float16, (out_features,))}
 
 
-class Fp8Linear(DequantLinear):
-    """DequantLinear with the hardware conversions the format's definition is held to (the unit test
+class Fp8Linear(BytePipeLinear):
+    """BytePipeLinear with the hardware conversions the format's definition is held to (the unit test
     reaches them as `backend.linears["fp8_e4m3_channel"]`; the backend class knows nothing of e4m3)."""
 
     @staticmethod
@@ -46,7 +53,8 @@ class Fp8Linear(DequantLinear):
 
 LINEAR = Fp8Linear("fp8_e4m3_channel", specs=specs, in_multiple=CHUNK_INPUTS, gemv_kernel=GEMV_KERNEL, variants=VARIANTS,
                    default_config=DEFAULT_CONFIG, dequant_kernel="fp8_e4m3_channel_dequant_f32",
-                   dequant_items=lambda out_f, in_f: out_f * in_f // 2)
+                   dequant_items=lambda out_f, in_f: out_f * in_f // 2, prefill_variants=PREFILL_VARIANTS,
+                   default_prefill=DEFAULT_PREFILL)
 
 
 def _even(a: np.ndarray) -> np.ndarray:

@@ -5,9 +5,11 @@
 //     the int8 decoder: a 16-byte load is 16 consecutive weights of a row, each turned into its exact
 //     fp16 value by the prmt / XOR / half2-subtract trick (int8_pairs), widened to fp32, multiplied by
 //     fp32 x; the row's fp32 total is multiplied once by the row's fp16 scale;
-//   * prefill (T > 1): int8_sym_channel_dequant_f32 writes the exact fp32 weight q * s (8 x 11
-//     significant bits fit fp32's 24) into a scratch buffer, cuBLAS multiplies in fp32 (the launcher,
-//     kernels/cuda/int8_sym_channel.py), and the shared epilogues of epilogues.cu finish.
+//   * prefill (T > 1), one of (the launcher kernels/cuda/int8_sym_channel.py picks by
+//     backend.prefill_variant), then the shared epilogues of epilogues.cu:
+//     - "cublas": int8_sym_channel_dequant_f32 writes the exact fp32 weight q * s (8 x 11 significant bits
+//       fit fp32's 24) into a scratch buffer and cuBLAS multiplies in fp32;
+//     - "pipe" / "pipe64": the tensor-core GEMM of pipe8.cuh, q decoded to fp16 in the B fragments.
 //
 // Layout the loads assume: qweight int8 [out, in] row-major with in % 16 == 0 (the format's
 // in_multiple), so every row starts 16-byte aligned and holds in / 16 whole chunks; x fp16 [T, in],
@@ -16,6 +18,7 @@
 // Entry points: int8_sym_channel_gemv_<epilogue>_t<THREADS>_r<R>, written out (not a macro) so that the
 // loader and the compile test see every name; the launcher picks one per op (backend.gemv_config).
 #include "gemv_rows.cuh"
+#include "pipe8.cuh"
 
 // ---- unpack helpers --------------------------------------------------------------------------------
 
@@ -92,6 +95,17 @@ extern "C" __global__ void __launch_bounds__(256) int8_sym_channel_gemv_residual
 extern "C" __global__ void __launch_bounds__(256) int8_sym_channel_gemv_silu_mul_f16_t256_r8(
     const f16_bits* x, const signed char* qweight, const f16_bits* scales, f16_bits* out, int rows, int in_f) {
     gemv_rows<DecodeInt8SymChannel, EPI_SILU_MUL_F16, 256, 8>(x, reinterpret_cast<const uint4*>(qweight), scales, nullptr, out, nullptr, rows, in_f);
+}
+
+// ---- prefill on the tensor cores (pipe8.cuh): "pipe" 128 x 128 tiles, "pipe64" 64 x 128 ----------------
+
+extern "C" __global__ void __launch_bounds__(256, 1)
+int8_sym_channel_mma_pipe_f32(const f16_bits* x, const signed char* qweight, const f16_bits* scales, float* y, int T, int N, int K) {
+    byte_mma_pipe<4, Int8Bytes>(x, reinterpret_cast<const unsigned char*>(qweight), scales, y, T, N, K);
+}
+extern "C" __global__ void __launch_bounds__(256, 2)
+int8_sym_channel_mma_pipe64_f32(const f16_bits* x, const signed char* qweight, const f16_bits* scales, float* y, int T, int N, int K) {
+    byte_mma_pipe<2, Int8Bytes>(x, reinterpret_cast<const unsigned char*>(qweight), scales, y, T, N, K);
 }
 
 // ---- prefill path: the exact fp32 weight ------------------------------------------------------------

@@ -13,7 +13,8 @@ these classes; CudaBackend calls it for the four quantized ops:
 - `matmul_f32(backend, x, w)`, the prefill path: fp32 [T, out] = x W^T; the backend then runs the
   shared epilogue kernels (epilogues.cu). `DequantLinear` does it with the format's dequantize kernel
   into an fp32 scratch weight (every shipped format's values are exact in fp32) and one cuBLAS fp32
-  GEMM; int4_sym_g128 has its own tensor-core kernel.
+  GEMM; `BytePipeLinear` (the 8-bit formats) may instead take the tensor-core kernels of pipe8.cuh;
+  int4_sym_g128 has its own tensor-core kernels.
 
 Nothing here allocates on the T = 1 path (graph capture); scratch comes from `backend.scratch`, never
 freed while the backend lives.
@@ -130,4 +131,38 @@ class DequantLinear(GemvLinear):
         xf[...] = x  # fp16 -> fp32, exact
         y = backend.scratch("prefill_y", (T, N), np.float32)
         cp.dot(xf, wf.T, out=y)  # both operands in cuBLAS's own layouts: no copies
+        return y
+
+
+class BytePipeLinear(DequantLinear):
+    """A DequantLinear (one byte a weight, one fp16 scale a row) whose prefill can also run on the tensor
+    cores: `<name>_mma_pipe_f32` ("pipe", 128 x 128 tiles) or `<name>_mma_pipe64_f32` ("pipe64", 64 x 128
+    tiles), pipe8.cuh: the weights decoded to their exact fp16 values in the B fragments, 128-input fp32
+    partials, the row's scale once at the end. `backend.prefill_variant[name]` picks among
+    `prefill_variants`; "cublas" is DequantLinear's dequantize-and-cuBLAS path."""
+
+    PIPE_KERNELS = {"pipe": ("_mma_pipe_f32", 128), "pipe64": ("_mma_pipe64_f32", 64)}  # suffix, tokens a tile
+    PIPE_BN = 128  # weight rows a tile: pipe8.cuh P8_BN
+
+    def __init__(self, name: str, *, prefill_variants: tuple, default_prefill: str, **kw):
+        super().__init__(name, **kw)
+        unknown = set(prefill_variants) - {"cublas", *self.PIPE_KERNELS}
+        if unknown or default_prefill not in prefill_variants:
+            raise ValueError(f"{name}: prefill variants {prefill_variants} (default {default_prefill!r}) are not "
+                             f"among cublas, {', '.join(self.PIPE_KERNELS)}")
+        self.prefill_variants, self.default_prefill = tuple(prefill_variants), default_prefill
+
+    def matmul_f32(self, backend, x, w):
+        variant = getattr(backend, "prefill_variant", {}).get(self.name, self.default_prefill)
+        if variant not in self.prefill_variants:
+            raise ValueError(f"prefill_variant[{self.name!r}] = {variant!r} is not one of {self.prefill_variants}")
+        if variant == "cublas":
+            return super().matmul_f32(backend, x, w)
+        if x.data.ptr % 16:
+            raise ValueError("x: the prefill kernel reads activations in 16-byte loads; x is not 16-byte aligned")
+        T, N, K = x.shape[0], w.out_features, w.in_features
+        y = backend.scratch("prefill_y", (T, N), np.float32)
+        suffix, bm = self.PIPE_KERNELS[variant]
+        loader.kernels()[self.name + suffix]((-(-N // self.PIPE_BN), -(-T // bm)), (256,),
+                                             (x, *self.weight_args(w), y, i32(T), i32(N), i32(K)))
         return y
