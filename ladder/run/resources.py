@@ -4,7 +4,10 @@
 per phase: the conversion, each rung, so a red night shows which one filled the machine), the GPU memory in use
 (`nvidia-smi`, which needs no CUDA context in this process, over every GPU: the rungs' workers and their
 references) and the host memory in use (MemTotal - MemAvailable of /proc/meminfo, the whole machine's: a
-worker killed for memory shows here first). At the end, `record()` adds the disk the run's model and its
+worker killed for memory shows here first), and the GPU memory of the largest single process (`nvidia-smi
+--query-compute-apps`: a rung's workers are sized by an estimate of what one holds, ladder/run/workers.py,
+and this is what one held: a 7B graph rung whose workers held 52 GB against an estimate of 39 ran out of
+the GPU's memory). At the end, `record()` adds the disk the run's model and its
 kept results occupy: the model files under test, and the cache folder's converted models and kept
 references (engine/resolve.py cache_root). A 7B run's first run writes 5 to 9 GB per format there.
 
@@ -31,6 +34,21 @@ def gpu_used() -> int | None:
         out = subprocess.run([smi, "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
                              capture_output=True, text=True, timeout=10).stdout
         return sum(int(float(v)) for v in out.split()) * (1 << 20)
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
+
+
+def gpu_largest_process() -> int | None:
+    """Bytes of GPU memory held by the process that holds the most (nvidia-smi's compute apps, over every
+    GPU); None where nvidia-smi cannot say or no process holds any."""
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return None
+    try:
+        out = subprocess.run([smi, "--query-compute-apps=used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10).stdout
+        held = [int(float(v)) for v in out.split() if v.replace(".", "", 1).isdigit()]
+        return max(held) * (1 << 20) if held else None
     except (OSError, ValueError, subprocess.SubprocessError):
         return None
 
@@ -66,7 +84,7 @@ class Resources:
         self.every = every
         self.peak_gpu = self.peak_host = None
         self.phase = "start"  # what the run is doing: "convert", then each rung (set by the runner)
-        self.by_phase: dict[str, list] = {}  # phase -> [peak GPU, peak host]
+        self.by_phase: dict[str, list] = {}  # phase -> [peak GPU, peak host, peak of the largest GPU process]
         self.base_gpu = gpu_used()  # in use before the run (another process's): reported beside the peak
         self.base_host = host_used()
         self._stop = threading.Event()
@@ -84,10 +102,13 @@ class Resources:
     def _sample(self) -> None:
         while True:
             g, h = gpu_used(), host_used()
-            peaks = self.by_phase.setdefault(self.phase, [None, None])
+            one = gpu_largest_process() if g else None  # no GPU memory in use: no process to ask about
+            peaks = self.by_phase.setdefault(self.phase, [None, None, None])
             if g is not None:
                 self.peak_gpu = max(self.peak_gpu or 0, g)
                 peaks[0] = max(peaks[0] or 0, g)
+            if one is not None:
+                peaks[2] = max(peaks[2] or 0, one)
             if h is not None:
                 self.peak_host = max(self.peak_host or 0, h)
                 peaks[1] = max(peaks[1] or 0, h)
@@ -106,7 +127,8 @@ class Resources:
                 "peak_host_memory_gb": gb(self.peak_host), "host_memory_before_gb": gb(self.base_host),
                 "model_files_gb": gb(sum(Path(f).stat().st_size for f in model_files if Path(f).exists())),
                 "cache_gb": {k: gb(folder_bytes(root / k)) for k in KEPT if (root / k).exists()},
-                "peaks_by_phase_gb": {k: {"gpu": gb(g), "host": gb(h)} for k, (g, h) in self.by_phase.items()}}
+                "peaks_by_phase_gb": {k: {"gpu": gb(g), "host": gb(h), "gpu_one_process": gb(p)}
+                                      for k, (g, h, p) in self.by_phase.items()}}
 
 
 def _gb(v) -> str:
@@ -126,6 +148,9 @@ def describe(r: dict) -> str:
     if len(phases) > 1:
         parts.append("peaks by phase (GPU/host GB) " + ", ".join(
             f"{k} {_gb(v.get('gpu'))}/{_gb(v.get('host'))}" for k, v in phases.items()))
+    largest = {k: v["gpu_one_process"] for k, v in phases.items() if v.get("gpu_one_process") is not None}
+    if largest:
+        parts.append("the largest process on the GPU by phase (GB) " + ", ".join(f"{k} {v:.1f}" for k, v in largest.items()))
     cache = r.get("cache_gb") or {}
     if cache:
         parts.append("cache " + ", ".join(f"{k} {v:.1f} GB" for k, v in cache.items()))
