@@ -395,6 +395,7 @@ def main(args) -> int:
             print(f"FAIL: the engine's tokens are wrong in {quant}; no times are reported")
             return 1
     results.update({k: results["formats"][formats[0]][k] for k in ("checks", "bytes_per_step", "floor_ms", "decode")})
+    model = None  # the last backend's scratch goes too, before the peers load their models
     cp.get_default_memory_pool().free_all_blocks()
     run_peers(args, results)
 
