@@ -25,32 +25,34 @@ GB = 1 << 30
 KEPT = ("converted", "graph-references", "graph-bounds", "layer-references", "golden")  # the cache's folders a run fills
 
 
-def gpu_used() -> int | None:
-    """Bytes of GPU memory in use, summed over the GPUs (None where nvidia-smi cannot say)."""
+def _smi(query: str) -> list[str] | None:
+    """The values nvidia-smi prints for `query` (one per GPU or process, no header, no units); None where
+    nvidia-smi is missing or fails."""
     smi = shutil.which("nvidia-smi")
     if not smi:
         return None
     try:
-        out = subprocess.run([smi, "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=10).stdout
-        return sum(int(float(v)) for v in out.split()) * (1 << 20)
-    except (OSError, ValueError, subprocess.SubprocessError):
+        return subprocess.run([smi, query, "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=10).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def gpu_used() -> int | None:
+    """Bytes of GPU memory in use, summed over the GPUs (None where nvidia-smi cannot say)."""
+    values = _smi("--query-gpu=memory.used")
+    try:
+        return None if values is None else sum(int(float(v)) for v in values) * (1 << 20)
+    except ValueError:
         return None
 
 
 def gpu_largest_process() -> int | None:
     """Bytes of GPU memory held by the process that holds the most (nvidia-smi's compute apps, over every
     GPU); None where nvidia-smi cannot say or no process holds any."""
-    smi = shutil.which("nvidia-smi")
-    if not smi:
-        return None
-    try:
-        out = subprocess.run([smi, "--query-compute-apps=used_memory", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=10).stdout
-        held = [int(float(v)) for v in out.split() if v.replace(".", "", 1).isdigit()]
-        return max(held) * (1 << 20) if held else None
-    except (OSError, ValueError, subprocess.SubprocessError):
-        return None
+    values = _smi("--query-compute-apps=used_memory")
+    held = [int(float(v)) for v in values or () if v.replace(".", "", 1).isdigit()]
+    return max(held) * (1 << 20) if held else None
 
 
 def host_used() -> int | None:
