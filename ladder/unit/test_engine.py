@@ -117,8 +117,9 @@ def _device_pool():
 
 def test_a_closed_model_hands_its_memory_back_and_refuses_to_run(model_path, backend):
     """Model.close drops the weights, cache and workspaces and calls the backend's release_memory: on a
-    device backend the memory pool then holds no more than before the load and caches no free block (a
-    process that also runs torch on the device can allocate it); on the host the arrays are gone."""
+    device backend the pool's used bytes return to what they were before the load and the pool holds no
+    more memory than it did then (the freed blocks went back to the device, where torch in the same
+    process can allocate them); on the host the arrays are gone."""
     import gc
     import weakref
 
@@ -136,17 +137,21 @@ def test_a_closed_model_hands_its_memory_back_and_refuses_to_run(model_path, bac
     gc.collect()
     gc.disable()
     try:
-        before = pool.used_bytes() if pool else None
+        # CuPy frees only whole allocations: a chunk split between a live block (a backend scratch buffer)
+        # and a freed one stays with the pool, so its free part is compared with what was there before.
+        before = (pool.used_bytes(), pool.total_bytes()) if pool else None
         model = engine.load(model_path, backend=backend)
         run(model)
         weights = sum(a.nbytes for a in (model.embed_tokens, model.lm_head))
         if pool:
-            assert pool.used_bytes() - before >= weights
+            assert pool.used_bytes() - before[0] >= weights
         else:
             held = weakref.ref(model.embed_tokens)
         model.close()
         if pool:
-            assert (pool.used_bytes(), pool.free_bytes()) == (before, 0), "closed model's memory kept in the pool"
+            used, total = pool.used_bytes(), pool.total_bytes()
+            assert used == before[0], f"closed model's memory still in use: {used - before[0]} bytes"
+            assert total <= before[1], f"closed model's memory kept in the pool: {total - before[1]} bytes more"
         else:
             assert held() is None, "the closed model still holds its embedding table"
     finally:
