@@ -37,6 +37,7 @@ from typing import Callable, Iterable, Iterator, TypeVar
 import numpy as np
 
 import engine.errors as E
+from engine.outpath import signals_deferred
 
 MAGIC = b"NANOQWEN"
 VERSION = 1
@@ -111,21 +112,33 @@ def ordered_map(fn: Callable[[T], R], items: Iterable[T], threads: int,
     pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="nanoqwen-worker")
     pending: collections.deque = collections.deque()
 
-    def results():
-        source = iter(items)
-        for item in source:
+    # The pool's calls run with Ctrl-C and SIGTERM held back (engine/outpath.py `signals_deferred`): an
+    # exception raised inside the pool's own code could leave one of its locks held, and the shutdown
+    # below would then wait forever. They are raised between items instead, in this caller's code.
+    def submit(item):
+        with signals_deferred():
             pending.append(pool.submit(fn, item))
+
+    def next_result():
+        with signals_deferred():
+            future = pending.popleft()
+            return future.result()
+
+    def results():
+        for item in items:
+            submit(item)
             if len(pending) >= ahead:
-                yield pending.popleft().result()
+                yield next_result()
         while pending:
-            yield pending.popleft().result()
+            yield next_result()
 
     try:
         yield results()
     finally:
-        for future in pending:
-            future.cancel()
-        pool.shutdown(wait=True, cancel_futures=True)
+        with signals_deferred():
+            for future in pending:
+                future.cancel()
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
 # --- writing ------------------------------------------------------------------------------------

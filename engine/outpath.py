@@ -12,6 +12,9 @@ instead, so the writer's `finally` removes the file; Ctrl-C is already a `Keyboa
 SIGKILL cannot be caught: `remove_stale_temp_files(folder)`, which every writer runs first, removes
 the temporary files in the folder whose writer (on this host) is no longer alive, and leaves a live
 writer's file alone.
+
+`signals_deferred()` holds those exceptions back while the main thread is inside a thread pool's own
+code (engine/modelfile.py `ordered_map`), and raises them as soon as it leaves.
 """
 
 from __future__ import annotations
@@ -131,3 +134,36 @@ def removing_on_termination():
     finally:
         for sig, previous in installed.items():
             signal.signal(sig, previous)
+
+
+_DEFERRED = ("SIGINT", "SIGTERM", "SIGHUP")
+
+
+@contextlib.contextmanager
+def signals_deferred():
+    """While inside (the main thread): a SIGINT, SIGTERM or SIGHUP whose handler is Python code (Ctrl-C's
+    KeyboardInterrupt, `removing_on_termination`'s exit) is recorded, not acted on; on the way out the
+    handlers are put back and the first signal recorded goes to its own, which raises here, where no lock
+    is held. A handler raises at whatever bytecode the main thread is at, and one raised inside
+    concurrent.futures' code (a `with lock:` between its acquire and its try, a Condition's wait) can
+    leave a lock held that a worker thread or the pool's shutdown then waits on forever. Handlers that
+    are not Python code (the default action, ignored) are left alone; outside the main thread this does
+    nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list = []
+    previous: dict = {}
+    try:
+        for name in _DEFERRED:
+            sig = getattr(signal, name, None)
+            if sig is not None and callable(handler := signal.getsignal(sig)):
+                previous[sig] = handler
+                signal.signal(sig, lambda signum, frame: caught.append((signum, frame)))
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if caught:
+            signum, frame = caught[0]
+            previous[signum](signum, frame)

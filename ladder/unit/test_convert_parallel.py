@@ -2,12 +2,15 @@
 
 For every format, a conversion on four threads writes the same bytes as one on a single thread (the
 plain loop); the ordered map under both passes hands results out in order, holds at most `ahead` of
-them, and raises an item's error at its turn; a failure on a worker leaves no file behind; and
+them, and raises an item's error at its turn; Ctrl-C while it waits ends it with no thread left (the
+signal held back while inside the pool's code); a failure on a worker leaves no file behind; and
 NANOQWEN_CONVERT_THREADS is a positive integer or a one-line error.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
@@ -18,6 +21,7 @@ from engine.config import SHAPES
 from engine.convert import CheckpointError, SafetensorsFolder, convert
 from engine.formats import FORMATS
 from engine.modelfile import MAX_THREADS, ThreadCountError, ordered_map, worker_threads
+from engine.outpath import removing_on_termination, signals_deferred
 from fixtures.tiny_model import build_random_model
 
 SMALL = SHAPES["tiny"].replace(num_hidden_layers=2)
@@ -73,6 +77,43 @@ def test_ordered_map_raises_the_first_failing_item_in_order(threads):
             got.extend(results)
     assert got == [0, 1]
     assert not [t for t in threading.enumerate() if t.name.startswith("nanoqwen-worker")]
+
+
+def test_a_signal_inside_a_deferred_section_is_raised_as_it_leaves():
+    """Ctrl-C and a SIGTERM under removing_on_termination wait for the section's end, then raise there,
+    with the handlers put back."""
+    for sig, expected in ((signal.SIGINT, KeyboardInterrupt), (signal.SIGTERM, SystemExit)):
+        reached = False
+        with removing_on_termination():
+            handler = signal.getsignal(sig)
+            with pytest.raises(expected) as raised:
+                with signals_deferred():
+                    os.kill(os.getpid(), sig)
+                    time.sleep(0.05)  # the handler has run by now: recorded, not raised
+                    reached = True
+            assert reached, f"{sig.name} was raised inside the section"
+            assert signal.getsignal(sig) is handler, f"{sig.name}'s handler was not put back"
+        if expected is SystemExit:
+            assert raised.value.code == 128 + signal.SIGTERM
+
+
+def test_ctrl_c_while_the_map_waits_on_a_worker_ends_it_and_every_thread():
+    """A SIGINT that lands while the caller waits on a worker's result (inside the pool's own code, where
+    an exception could leave one of its locks held) is a KeyboardInterrupt from the map, soon after, and
+    no worker thread outlives it."""
+    def work(i):
+        if i == 2:
+            os.kill(os.getpid(), signal.SIGINT)  # the caller is waiting on item 0's result
+        time.sleep(0.02)
+        return i
+
+    got = []
+    with pytest.raises(KeyboardInterrupt):
+        with ordered_map(work, range(100), threads=2, ahead=4) as results:
+            got.extend(results)
+    assert len(got) < 100
+    assert not [t for t in threading.enumerate() if t.name.startswith("nanoqwen-worker")]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_a_failure_on_a_worker_thread_leaves_no_file(checkpoint, tmp_path, monkeypatch):
