@@ -1,5 +1,6 @@
 """The graph rung's HF simulation of one model in a pytest worker: built on first use, its greedy runs
-kept per machine (ladder/judges/reference_store.py), dropped when the worker moves to another format.
+and full forwards kept per machine (ladder/judges/reference_store.py), dropped when the worker moves to
+another format.
 The rung's fixtures (ladder/graph/test_graph.py) hold one per model."""
 
 from __future__ import annotations
@@ -110,6 +111,13 @@ class ReferenceRuns:
             for p, ref in zip(wanted, self._kept.get_many(items, self._run)):
                 self._runs[p.id] = ref
         return self._runs[prompt.id]
+
+    def full_logits(self, ids, start: int):
+        """The float32 logits of the simulation's full forward (no KV cache) over `ids`, positions `start`
+        on: computed once on this machine and kept with the model's runs (KeptReferences.full_forward)."""
+        from reference.hf import hf_logits
+
+        return self._kept.full_forward(ids, start, lambda: hf_logits(self.model(), list(ids))[start:])
 
     def _run(self, items):
         """The greedy runs of `items` ((ids, n_new) pairs), batched, with progress by batch."""

@@ -22,6 +22,9 @@ not what it is checked against).
 - Bounds (`graph-bounds/KEY.json`): the first worker to need them measures them while holding a lock file
   (its process id and host inside); the others wait for its result, and later runs read it. A lock whose
   process is gone (a killed run) is taken over at once.
+- Full forwards (`graph-references/MODEL_KEY/full-IDS_KEY.npz`, float32 logits): the HF simulation's
+  forward over a token sequence without its cache, from one position on, against which the graph rung
+  holds the simulation's own cached runs (`full_forward`); the judging is done again each time.
 - Reference runs (`graph-references/MODEL_KEY/PROMPT_KEY.npz`, tokens and float32 logits): computed
   together, all the prompts of a model a run asks for in one batched run (`get_many`), by one process at
   a time holding `graph-references/.MODEL_KEY.lock`; a worker that needs the same prompts waits and reads
@@ -216,6 +219,19 @@ class KeptReferences:
                     found[i] = ref
         return found
 
+    def full_forward(self, ids, start: int, run: Callable[[], np.ndarray]) -> np.ndarray:
+        """The float32 logits of the simulation's full forward (no cache) over `ids`, positions `start` on:
+        kept, else `run()` (which computes exactly those) and keep it."""
+        path = self.folder / ("full-" + hashlib.sha256(json.dumps(["full", list(map(int, ids)), int(start)]).encode())
+                              .hexdigest()[:24] + ".npz")
+        kept = _read(path, "logits")
+        if kept is not None:
+            self._mark_used()
+            return kept[0]
+        logits = np.asarray(run(), dtype=np.float32)
+        self._keep_arrays(path, logits=logits)
+        return logits
+
     def _mark_used(self) -> None:
         """The folder's time says when its model was last used (read or written): pruning goes by it."""
         if not self._used:
@@ -226,12 +242,15 @@ class KeptReferences:
                 pass
 
     def _keep(self, path: Path, ref: Reference) -> None:
+        self._keep_arrays(path, prompt_len=np.int64(ref.prompt_len), tokens=np.asarray(ref.tokens, dtype=np.int64),
+                          logits=np.asarray(ref.logits, dtype=np.float32))
+
+    def _keep_arrays(self, path: Path, **arrays) -> None:
         new = not self.folder.exists()
         for attempt in (1, 2):  # a second time if another process pruned the folder away in between
             self.folder.mkdir(parents=True, exist_ok=True)
             try:
-                _write(path, prompt_len=np.int64(ref.prompt_len), tokens=np.asarray(ref.tokens, dtype=np.int64),
-                       logits=np.asarray(ref.logits, dtype=np.float32))
+                _write(path, **arrays)
                 break
             except FileNotFoundError:
                 if attempt == 2:

@@ -5,7 +5,7 @@ process that is gone (a killed run) is taken over at once instead of being waite
 asking at the same time measure once between them. Reference runs: read back equal, bit for bit; a new
 prompt, token count or model runs again; a broken file is run again and replaced; many asked at once are
 computed together, only the missing ones, by one worker while another asking for them waits and reads
-them; NANOQWEN_FRESH_REFERENCES
+them; a full forward is kept by its tokens and first position; NANOQWEN_FRESH_REFERENCES
 runs everything again; the oldest models' runs go past the size budget, and a read counts as a use.
 Block outputs: kept by their weights and input, a large block never. And a graph or layer rung whose
 references are kept imports neither torch nor transformers.
@@ -178,6 +178,29 @@ def test_fresh_references_runs_again(kept, monkeypatch):
     assert calls == [0, 0]
 
 
+def _full(seed: int, calls: list):
+    def run() -> np.ndarray:
+        calls.append(seed)
+        return np.random.default_rng(seed).standard_normal((4, 50)).astype(np.float32)
+    return run
+
+
+def test_a_kept_full_forward_is_read_back_bit_for_bit_and_other_tokens_or_start_run_again(kept, monkeypatch):
+    calls = []
+    first = kept.full_forward([1, 2, 3, 4], 1, _full(0, calls))
+    again = kept.full_forward([1, 2, 3, 4], 1, _full(1, calls))
+    assert calls == [0], "the kept full forward was run again"
+    assert again.dtype == np.float32 and np.array_equal(again, first)
+    kept.full_forward([1, 2, 3, 5], 1, _full(2, calls))
+    kept.full_forward([1, 2, 3, 4], 2, _full(3, calls))
+    assert calls == [0, 2, 3]
+    assert kept.get([1, 2, 3, 4], 1, _run(4, calls)).logits.shape == (3, 50) and calls[-1] == 4  # not the same item
+    monkeypatch.setenv("NANOQWEN_FRESH_REFERENCES", "1")
+    kept.full_forward([1, 2, 3, 4], 1, _full(5, calls))
+    assert calls[-1] == 5
+    assert not list(kept.folder.glob(".*")), "a temporary file was left behind"
+
+
 def _batch(calls: list):
     """A stand-in for the batched simulation: each item's run seeded by its first token id; the items asked for recorded."""
     def run(items):
@@ -249,9 +272,9 @@ def test_the_least_recently_used_models_go_past_the_size_budget(store, tmp_path)
 
 
 def test_rungs_whose_references_are_kept_import_neither_torch_nor_transformers(tmp_path, tiny_model_path):
-    """A graph case and a layer case twice in fresh processes: the first with NANOQWEN_FRESH_REFERENCES
+    """Two graph cases and a layer case twice in fresh processes: the first with NANOQWEN_FRESH_REFERENCES
     computes the references (torch and transformers imported), the second reads what the first kept
-    (graph: the run and the bounds; layer: the HF block's outputs) and imports neither. A plugin of the
+    (graph: the run, the full forward and the bounds; layer: the HF block's outputs) and imports neither. A plugin of the
     test's own prints which were imported at the end. (The user's cache folder: its models are built.)"""
     one = tmp_path / "one-prompt.jsonl"  # one prompt: the first run's bounds measure one floor prompt
     one.write_text(default_prompts_path().read_text().splitlines()[0] + "\n")
@@ -261,7 +284,7 @@ def test_rungs_whose_references_are_kept_import_neither_torch_nor_transformers(t
         "    print('HEAVY', sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
     repo = Path(reference_store.__file__).resolve().parents[2]
     cmd = [sys.executable, "-m", "pytest", str(repo / "ladder" / "graph" / "test_graph.py"),
-           str(repo / "ladder" / "layer" / "test_layer.py"), "-k", "greedy or (hf_decoder_layer and layer0-L29)",
+           str(repo / "ladder" / "layer" / "test_layer.py"), "-k", "greedy or full_recompute or (hf_decoder_layer and layer0-L29)",
            "--prompts", str(one), "-p", "ladder.plugin", "-p", "heavycheck", "-c", os.devnull, "--rootdir", str(repo),
            "-p", "no:cacheprovider", "-q", "-s", "--backend", "numpy", "--model", str(tiny_model_path)]
     env = {**os.environ, "PYTHONPATH": f"{repo}{os.pathsep}{tmp_path}"}
@@ -270,7 +293,7 @@ def test_rungs_whose_references_are_kept_import_neither_torch_nor_transformers(t
     runs = [subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
                            env={**env, "NANOQWEN_FRESH_REFERENCES": fresh}) for fresh in ("1", "0")]
     for r in runs:
-        assert r.returncode == 0 and "2 passed" in r.stdout, (r.stdout + r.stderr)[-3000:]
+        assert r.returncode == 0 and "3 passed" in r.stdout, (r.stdout + r.stderr)[-3000:]
     assert "HEAVY ['torch', 'transformers']" in runs[0].stdout, runs[0].stdout[-2000:]
     assert "HEAVY []" in runs[1].stdout, runs[1].stdout[-2000:]
 
