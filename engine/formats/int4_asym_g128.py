@@ -75,16 +75,24 @@ class Int4AsymG128(Format):
         s32 = scales.astype(np.float32)
         with np.errstate(divide="ignore", invalid="ignore"):
             z = np.where(s32 > 0, np.clip(np.rint(-lo / s32), 0, 15), 0.0)
-            q = np.where(s32[:, :, None] > 0, np.rint(g / s32[:, :, None]) + z[:, :, None], 0.0)
-        q = np.clip(q, 0, 15).astype(np.uint32).reshape(out_f, in_f)
-        return {"qweight": pack(q), "scale_zero": pack_scale_zero(scales, z.astype(np.uint32))}
+            q = np.divide(g, s32[:, :, None])  # then in place: one float32 array of the weight's size
+        np.rint(q, out=q)
+        q += z[:, :, None]
+        zero = scales == 0  # q = 0 where s = 0 (g / 0 is inf or nan there)
+        if zero.any():
+            q[zero] = 0.0
+        np.clip(q, 0, 15, out=q)
+        return {"qweight": pack(q.reshape(out_f, in_f).astype(np.uint8)),
+                "scale_zero": pack_scale_zero(scales, z.astype(np.uint32))}
 
     def dequantize(self, tensors: dict[str, np.ndarray]) -> np.ndarray:
-        q = unpack(tensors["qweight"]).astype(np.float32)
+        w = unpack(tensors["qweight"]).astype(np.float32)  # then in place, one array
         scales, zeros = unpack_scale_zero(tensors["scale_zero"])
-        out_f, in_f = q.shape
-        w = (q.reshape(out_f, in_f // GROUP, GROUP) - zeros[:, :, None].astype(np.float32)) * scales.astype(np.float32)[:, :, None]
-        return w.reshape(out_f, in_f)
+        out_f, in_f = w.shape
+        g = w.reshape(out_f, in_f // GROUP, GROUP)
+        g -= zeros[:, :, None].astype(np.float32)
+        g *= scales.astype(np.float32)[:, :, None]
+        return w
 
     # A range whose zero point was rounded shifts the grid's ends by up to half a step: one step at most.
     max_error_steps = 1.0

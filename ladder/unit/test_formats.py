@@ -30,7 +30,7 @@ from fixtures.strategies import quantizable_weight, rng_for, seeds
 from ladder.checks.harness import by_row_blocks
 from ladder.judges.compare import assert_close, assert_equal
 from ladder.run.nested import REPO, child_env, skip_inside_nested_run
-from reference.formats import REF_DEQUANT, ref_e4m3
+from reference.formats import REF_DEQUANT, ref_e4m3, ref_unpack_int4
 
 NAMES = sorted(FORMATS)
 
@@ -141,6 +141,66 @@ def test_bytes_per_weight_of_the_shipped_formats():
     expect = {"int4_sym_g128": 0.5 + 2 / 128, "int4_asym_g128": 0.5 + 4 / 128,
               "int8_sym_channel": 1 + 2 / 4096, "fp8_e4m3_channel": 1 + 2 / 4096}
     assert {n: get_format(n).bytes_per_weight(4096, 4096) for n in expect} == pytest.approx(expect)
+
+
+# --- the INT4 quantizers, element by element ------------------------------------------------------
+
+
+def _int4_edge_weight(seed: int) -> np.ndarray:
+    """Three rows of two groups: a plain group, an all-zero and an all -0.0 group, a group whose fp16 scale
+    rounds to 0 though a weight is not 0, a group of rint ties (multiples of half a step), an outlier."""
+    rng = rng_for(seed)
+    w = (rng.standard_normal((3, 256)) * 0.05).astype(np.float32)
+    w[0, 128:] = 0.0
+    w[1, :128] = -0.0
+    w[1, 128:] = 0.0
+    w[1, 130] = 1e-9  # max / 7 is below fp16's smallest subnormal: the scale is 0
+    step = np.float32(0.25)
+    w[2, :128] = rng.integers(-16, 16, 128).astype(np.float32) * (step / np.float32(2))
+    w[2, 0] = np.float32(7) * step  # the group's max: the scale is exactly `step`
+    w[2, 200] = 300.0
+    return w
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_int4_sym_quantizer_is_its_definition_element_by_element(seed):
+    """docs/FORMAT.md: s = fp16(max |W| / 7) per group of 128, q = clamp(rint(W / s), -8, 7) with the fp16
+    scale in float32 (q = 0 where s = 0), nibble q + 8; computed here one element at a time, and the
+    stored nibbles read by reference/formats.py's own unpack."""
+    w = _int4_edge_weight(seed)
+    t = get_format("int4_sym_g128").quantize(w)
+    nib = ref_unpack_int4(t["qweight"])
+    for o in range(w.shape[0]):
+        for j in range(w.shape[1] // 128):
+            g = w[o, 128 * j:128 * j + 128]
+            s = np.float16(max(abs(v) for v in g) / np.float32(7))
+            assert t["scales"][o, j].tobytes() == s.tobytes(), (o, j)
+            s32 = np.float32(s)
+            for k, v in enumerate(g):
+                q = 0 if s32 == 0 else int(min(7, max(-8, np.rint(np.float32(v) / s32))))
+                assert nib[o, 128 * j + k] == q + 8, (o, j, k, v, s)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_int4_asym_quantizer_is_its_definition_element_by_element(seed):
+    """docs/FORMAT.md: lo = min(min W, 0), hi = max(max W, 0), s = fp16((hi - lo) / 15),
+    z = clamp(rint(-lo / s), 0, 15), q = clamp(rint(W / s) + z, 0, 15) in float32 (q = z = 0 where s = 0)."""
+    w = _int4_edge_weight(seed)
+    t = get_format("int4_asym_g128").quantize(w)
+    nib = ref_unpack_int4(t["qweight"])
+    scales, zeros = unpack_scale_zero(t["scale_zero"])
+    for o in range(w.shape[0]):
+        for j in range(w.shape[1] // 128):
+            g = w[o, 128 * j:128 * j + 128]
+            lo, hi = min(np.float32(0), min(g)), max(np.float32(0), max(g))
+            s = np.float16((hi - lo) / np.float32(15))
+            assert scales[o, j].tobytes() == s.tobytes(), (o, j)
+            s32 = np.float32(s)
+            z = 0 if s32 == 0 else int(min(15, max(0, np.rint(-lo / s32))))
+            assert zeros[o, j] == z, (o, j)
+            for k, v in enumerate(g):
+                q = 0 if s32 == 0 else int(min(15, max(0, np.rint(np.float32(v) / s32) + np.float32(z))))
+                assert nib[o, 128 * j + k] == q, (o, j, k, v, s, z)
 
 
 # --- int8_sym_channel ------------------------------------------------------------------------------
