@@ -79,7 +79,16 @@ def test_ordered_map_raises_the_first_failing_item_in_order(threads):
     assert not [t for t in threading.enumerate() if t.name.startswith("nanoqwen-worker")]
 
 
-def test_a_signal_inside_a_deferred_section_is_raised_as_it_leaves():
+@pytest.fixture
+def ctrl_c():
+    """Ctrl-C as at a terminal (Python's KeyboardInterrupt handler) for the case: a test run started in
+    the background by a non-interactive shell (a CI runner, the nightly job) inherits SIGINT ignored."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+def test_a_signal_inside_a_deferred_section_is_raised_as_it_leaves(ctrl_c):
     """Ctrl-C and a SIGTERM under removing_on_termination wait for the section's end, then raise there,
     with the handlers put back."""
     for sig, expected in ((signal.SIGINT, KeyboardInterrupt), (signal.SIGTERM, SystemExit)):
@@ -97,7 +106,7 @@ def test_a_signal_inside_a_deferred_section_is_raised_as_it_leaves():
             assert raised.value.code == 128 + signal.SIGTERM
 
 
-def test_ctrl_c_while_the_map_waits_on_a_worker_ends_it_and_every_thread():
+def test_ctrl_c_while_the_map_waits_on_a_worker_ends_it_and_every_thread(ctrl_c):
     """A SIGINT that lands while the caller waits on a worker's result (inside the pool's own code, where
     an exception could leave one of its locks held) is a KeyboardInterrupt from the map, soon after, and
     no worker thread outlives it."""
