@@ -113,14 +113,18 @@ class RowScaledFormat(Format):
         w = np.asarray(w, dtype=np.float32)
         self._check_shape(w)
         self._check_finite(w)
+        v = np.abs(w)  # the one float32 temporary of the weight's size, reused for the scaled values
         with np.errstate(over="ignore"):
-            scales = (np.abs(w).max(axis=1) / np.float32(self.qmax)).astype(np.float16)
+            scales = (v.max(axis=1) / np.float32(self.qmax)).astype(np.float16)
         if not np.isfinite(scales).all():
             q = int(self.qmax)
             raise ValueError(f"a row's max |w| / {q} overflows fp16 (|w| > {65504 * q}); {self.name} cannot hold it")
         s32 = scales.astype(np.float32)[:, None]
         with np.errstate(divide="ignore", invalid="ignore"):
-            v = np.where(s32 > 0, w / s32, np.float32(0)).astype(np.float32)  # 0 where the scale is 0
+            np.divide(w, s32, out=v)
+        zero = scales == 0  # 0 where the scale is 0 (w / 0 is inf or nan there)
+        if zero.any():
+            v[zero] = 0.0
         return {"qweight": self.encode(v), "scales": scales}
 
     def dequantize(self, tensors: dict[str, np.ndarray]) -> np.ndarray:
