@@ -292,8 +292,9 @@ class SafetensorsFolder:
     def dtype(self, name: str) -> str:
         return self.entries[name][1]["dtype"]
 
-    def read(self, name: str) -> np.ndarray:
-        """The tensor as float32."""
+    def read(self, name: str, as_fp16: bool = False) -> np.ndarray:
+        """The tensor as float32; with `as_fp16`, as float16 (an F16 tensor copied as it is, where the way
+        through float32 and back gives the same bits for every finite value and costs two passes)."""
         path, meta, base = self.entries[name]
         dtype = meta["dtype"]
         if dtype not in _ST_DTYPES:
@@ -306,7 +307,9 @@ class SafetensorsFolder:
                 # Converted straight from the map, no copy of the raw bytes first (a 7B model reads 15 GB).
                 raw = np.frombuffer(m, dtype=np.uint8, count=end - start, offset=start)
                 try:
-                    if dtype == "BF16":  # a float32's top half: shifted into place in one pass
+                    if as_fp16 and dtype == "F16":
+                        out = raw.view("<f2").astype(np.float16)  # a copy: the map closes below
+                    elif dtype == "BF16":  # a float32's top half: shifted into place in one pass
                         out = np.left_shift(raw.view("<u2"), 16, dtype=np.uint32).view(np.float32)
                     else:
                         out = raw.view("<f2" if dtype == "F16" else "<f4").astype(np.float32)
@@ -314,7 +317,8 @@ class SafetensorsFolder:
                     del raw  # the map closes only once no array views it
         except (OSError, ValueError) as e:  # the file vanished, or shrank to nothing, since it was opened
             raise CheckpointError(f"{path}: cannot read tensor {name} ({e})") from None
-        return out.reshape(meta["shape"])
+        out = out.reshape(meta["shape"])
+        return out.astype(np.float16, copy=False) if as_fp16 else out
 
     def _scan(self, name: str, tests) -> list[tuple[int, int, int] | None]:
         """For each test (raw bits -> bool mask), (flat index, bits, how many) of the first element of the
@@ -534,7 +538,7 @@ def convert(hf_dir, out_path, quant: str = DEFAULT_FORMAT, progress=None, thread
     for name, (dtype, shape) in plain_tensor_specs(config).items():
         source(name, shape)
         scan.append((name, None))
-        pending.append(PendingTensor(name, dtype, shape, lambda n=name: st.read(n).astype(np.float16)))
+        pending.append(PendingTensor(name, dtype, shape, lambda n=name: st.read(n, as_fp16=True)))
 
     for layer in range(config.num_hidden_layers):
         for base, (out_f, in_f) in linear_names(config, layer).items():

@@ -132,11 +132,11 @@ def test_an_error_under_a_progress_bar_starts_on_a_fresh_line(paths, tmp_path, m
     read = SafetensorsFolder.read
     calls = []
 
-    def fails_on_the_fifth(self, name):
+    def fails_on_the_fifth(self, name, **kw):
         calls.append(name)
         if len(calls) == 5:
             raise CheckpointError(f"{self.folder}: tensor {name} could not be read (planted)")
-        return read(self, name)
+        return read(self, name, **kw)
 
     monkeypatch.setattr(SafetensorsFolder, "read", fails_on_the_fifth)
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)  # a bar is drawn on a terminal

@@ -147,9 +147,9 @@ def reads(monkeypatch):
     seen = []
     read = SafetensorsFolder.read
 
-    def counted(self, name):
+    def counted(self, name, **kw):
         seen.append(name)
-        return read(self, name)
+        return read(self, name, **kw)
 
     monkeypatch.setattr(SafetensorsFolder, "read", counted)
     return seen

@@ -45,7 +45,7 @@ def temp_files(folder: Path) -> list[str]:
 # SIGINT ignored; the child restores Python's own handler so Ctrl-C reaches it as it would at a terminal.
 SLOW_MAIN = ("import signal, sys, time; signal.signal(signal.SIGINT, signal.default_int_handler); "
              "import engine.convert as c; read = c.SafetensorsFolder.read; "
-             "c.SafetensorsFolder.read = lambda self, n: (time.sleep(0.05), read(self, n))[1]; "
+             "c.SafetensorsFolder.read = lambda self, n, **kw: (time.sleep(0.05), read(self, n, **kw))[1]; "
              "from engine.cli import main; sys.exit(main(sys.argv[1:]))")
 
 

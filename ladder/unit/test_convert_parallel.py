@@ -128,10 +128,10 @@ def test_ctrl_c_while_the_map_waits_on_a_worker_ends_it_and_every_thread(ctrl_c)
 def test_a_failure_on_a_worker_thread_leaves_no_file(checkpoint, tmp_path, monkeypatch):
     read = SafetensorsFolder.read
 
-    def fails_on_a_late_tensor(self, name):
+    def fails_on_a_late_tensor(self, name, **kw):
         if name == "model.layers.1.mlp.up_proj.weight":
             raise CheckpointError(f"{self.folder}: tensor {name} could not be read (planted)")
-        return read(self, name)
+        return read(self, name, **kw)
 
     monkeypatch.setattr(SafetensorsFolder, "read", fails_on_a_late_tensor)
     with pytest.raises(CheckpointError, match="planted"):
