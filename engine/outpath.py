@@ -162,8 +162,16 @@ def signals_deferred():
                 signal.signal(sig, lambda signum, frame: caught.append((signum, frame)))
         yield
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        # Held off while the handlers go back, so that none lands between two of them (one put back, the
+        # next still recording into a list nobody reads); one that came meanwhile is delivered after.
+        held = set(previous) if hasattr(signal, "pthread_sigmask") else set()
+        before = signal.pthread_sigmask(signal.SIG_BLOCK, held) if held else None
+        try:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        finally:
+            if held:
+                signal.pthread_sigmask(signal.SIG_SETMASK, before)
         if caught:
             signum, frame = caught[0]
             previous[signum](signum, frame)
