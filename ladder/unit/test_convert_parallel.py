@@ -82,7 +82,7 @@ def test_ordered_map_raises_the_first_failing_item_in_order(threads):
 @pytest.fixture
 def ctrl_c():
     """Ctrl-C as at a terminal (Python's KeyboardInterrupt handler) for the case: a test run started in
-    the background by a non-interactive shell (a CI runner, the nightly job) inherits SIGINT ignored."""
+    the background by a non-interactive shell (a CI runner, say) inherits SIGINT ignored."""
     before = signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     signal.signal(signal.SIGINT, before)
