@@ -51,13 +51,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quant", default="int4_sym_g128", type=quant_argument, metavar="FORMAT,...|all",
+    from engine.cli import formats_arg, renamed  # formats_arg: the one `--quant a,b|all` reading (quant-report's too)
+
+    p.add_argument("--quant", default="int4_sym_g128", type=formats_arg, metavar="FORMAT,...|all",
                    help="weight formats to time, each in its own model (default int4_sym_g128); the first gets "
                         "the before run, the per-kernel tables and the peers, each its own GEMV sweep, checks, "
                         "TTFT and decode, in one table with bytes per step")
     p.add_argument("--report", default="reports/bench", metavar="DIR", help="folder for bench.json and bench.png")
-    from engine.cli import renamed
-
     renamed(p, "--out", new="--report")
     p.add_argument("--peers", default="hf,int4mm", help="comma list of hf, hf-compile, int4mm ('' for none)")
     p.add_argument("--peer-timeout", type=float, default=150.0, help="seconds per peer process")
@@ -374,7 +374,9 @@ def main(args) -> int:
     results["copy_tbs"] = copy_rate()
     print(f"  copy rate {results['copy_tbs']:.3f} TB/s ({time.perf_counter() - t0:.1f} s)", flush=True)
 
-    formats = args.quant if isinstance(args.quant, list) else bench_formats(args.quant)
+    from engine.cli import formats_arg
+
+    formats = args.quant if isinstance(args.quant, list) else formats_arg(args.quant)
     results["formats"] = {}
     rng = np.random.default_rng(args.seed)
     prompt = rng.integers(0, cfg.vocab_size, args.prompt_len).astype(np.int32).tolist()
@@ -403,25 +405,6 @@ def main(args) -> int:
     png = chart(results, outdir / "bench.png")
     print_table(results, png)
     return 0
-
-
-def bench_formats(spec: str) -> list[str]:
-    """The formats of --quant: a comma list of registered formats, or `all`; ValueError naming a bad one."""
-    from engine.formats import FORMATS
-
-    names = list(FORMATS) if spec.strip() == "all" else [q.strip() for q in spec.split(",") if q.strip()]
-    bad = [q for q in names if q not in FORMATS]
-    if bad or not names:
-        raise ValueError(f"{bad[0] if bad else spec!r} is not a weight format; one of {', '.join(FORMATS)} or all")
-    return list(dict.fromkeys(names))
-
-
-def quant_argument(text: str) -> list[str]:
-    """--quant's type: refused by argparse in one line, before the backend is asked for."""
-    try:
-        return bench_formats(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def bench_first_format(model, prompt, args, results) -> dict:

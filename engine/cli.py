@@ -95,6 +95,34 @@ def token_ids_arg(text: str) -> str:
     return ",".join(map(str, ids))
 
 
+def comma_names(text: str, what: str) -> list[str]:
+    """argparse helper: the items of a comma list, stripped, in order, once each; "expected comma-separated
+    WHAT" for none and "an empty item" for `a,,b` (one line, exit 2)."""
+    names = [s.strip() for s in text.split(",")]
+    if not any(names):
+        raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got none")
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"an empty item in {text!r}; expected comma-separated {what}")
+    return list(dict.fromkeys(names))
+
+
+def formats_arg(text: str) -> list[str]:
+    """argparse type for `--quant a,b|all` (quant-report, bench): known format names (engine.formats.FORMATS),
+    in order, once each; an unknown one is get_format's UnknownFormatError line."""
+    from engine.errors import UnknownFormatError
+    from engine.formats import get_format
+
+    if text.strip() == "all":
+        return list(FORMATS)
+    names = comma_names(text, "format names (or all)")
+    for name in names:
+        try:
+            get_format(name)
+        except UnknownFormatError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return names
+
+
 def version() -> str:
     """The installed distribution's version, else the checkout's pyproject.toml's (a plain checkout on a
     GPU machine), else "unknown"."""

@@ -27,21 +27,30 @@ def in_bench(code: str) -> str:
 
 
 def test_quant_takes_all_or_a_list_in_order_once_each_and_refuses_the_rest():
+    """The bench's own parser: `--quant` is read by engine/cli.py `formats_arg`, as quant-report's is; a bad
+    value is one line naming it, exit 2, before any GPU is asked for."""
     got = json.loads(in_bench("""
-        import json
+        import argparse, contextlib, io, json
+        p = argparse.ArgumentParser(prog="nanoqwen bench")
+        decode_bench.add_arguments(p)
         bad = {}
         for text in ("", "int3", "int4_sym_g128,,nope"):
-            try:
-                decode_bench.bench_formats(text)
-            except ValueError as e:
-                bad[text] = str(e)
-        print(json.dumps({"all": decode_bench.bench_formats("all"), "bad": bad,
-                          "list": decode_bench.bench_formats(" int8_sym_channel,int4_sym_g128 ,int8_sym_channel")}))
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err):
+                try:
+                    p.parse_args(["--quant", text])
+                except SystemExit as e:
+                    bad[text] = [e.code, err.getvalue().strip().splitlines()[-1]]
+        print(json.dumps({"all": p.parse_args(["--quant", "all"]).quant, "bad": bad, "default": p.parse_args([]).quant,
+                          "list": p.parse_args(["--quant", " int8_sym_channel,int4_sym_g128 ,int8_sym_channel"]).quant}))
     """))
     assert got["all"] == list(FORMATS)
+    assert got["default"] == ["int4_sym_g128"]
     assert got["list"] == ["int8_sym_channel", "int4_sym_g128"]
     assert set(got["bad"]) == {"", "int3", "int4_sym_g128,,nope"}
-    assert "'nope' is not a weight format" in got["bad"]["int4_sym_g128,,nope"]
+    assert all(code == 2 for code, _ in got["bad"].values()), got["bad"]
+    assert "unknown quantization format 'int3'" in got["bad"]["int3"][1]
+    assert "an empty item in 'int4_sym_g128,,nope'" in got["bad"]["int4_sym_g128,,nope"][1]
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))

@@ -100,7 +100,7 @@ CASES = [
     (["ladder", "--report", "{root}/a_file/rep"], "is not a folder"),
     (["ladder", "--plant-fault", "cosmic_ray"], "unknown fault"),
     (["ladder", "--new-tokens", "0"], "--new-tokens"),
-    (["bench", "--quant", "int4_sym_g128,int3"], "--quant: 'int3' is not a weight format; one of int4_sym_g128, "),
+    (["bench", "--quant", "int4_sym_g128,int3"], "--quant: unknown quantization format 'int3'; known: fp8_e4m3_channel, "),
     (["frobnicate"], "invalid choice"),
     ([], "command"),
 ]

@@ -353,40 +353,13 @@ def cmd_quant_report(args) -> int:
 # --- the command line -----------------------------------------------------------------------------
 
 
-def _names(text: str, what: str) -> list[str]:
-    import argparse
-
-    names = [s.strip() for s in text.split(",")]
-    if not any(names):
-        raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got none")
-    if not all(names):
-        raise argparse.ArgumentTypeError(f"an empty item in {text!r}; expected comma-separated {what}")
-    return list(dict.fromkeys(names))
-
-
-def formats_arg(text: str) -> list[str]:
-    """argparse type for `--quant a,b|all`: known format names (engine.formats.FORMATS), in order."""
-    import argparse
-
-    from engine.errors import UnknownFormatError
-    from engine.formats import FORMATS, get_format
-
-    if text.strip() == "all":
-        return list(FORMATS)
-    names = _names(text, "format names (or all)")
-    for name in names:
-        try:
-            get_format(name)
-        except UnknownFormatError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-    return names
-
-
 def models_arg(text: str) -> list[str]:
     """argparse type for `--models default,seeded`."""
     import argparse
 
-    names = _names(text, "models")
+    from engine.cli import comma_names
+
+    names = comma_names(text, "models")
     unknown = [n for n in names if n not in MODELS]
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown model {unknown[0]!r}; known: {', '.join(MODELS)}")
@@ -395,7 +368,7 @@ def models_arg(text: str) -> list[str]:
 
 def register(subparsers) -> None:
     """Add the `quant-report` subcommand to the `nanoqwen` parser's subparsers."""
-    from engine.cli import int_at_least, non_negative_int, renamed
+    from engine.cli import formats_arg, int_at_least, non_negative_int, renamed
     from engine.config import SHAPES
     from fixtures.tiny_model import DEFAULT_SEED
 
