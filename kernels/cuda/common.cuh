@@ -104,6 +104,14 @@ __device__ __forceinline__ u32 int4_pair(u32 word, int c, u32 zz = 0x64086408u) 
     return q;
 }
 
+// int4_asym_g128: a scale_zero word (low half: fp16 scale, high half: fp16 1024 + z, i.e. 0x6400 | z)
+// -> the half2 (1024 + z, 1024 + z): prmt 0x3232 copies bytes (2, 3) into both halves.
+__device__ __forceinline__ u32 zero_pair(u32 scale_zero) {
+    u32 z;
+    asm("prmt.b32 %0, %1, %2, 0x3232;" : "=r"(z) : "r"(scale_zero), "r"(0u));
+    return z;
+}
+
 // q[k] = half2 (element 2k - 8, element 2k+1 - 8) of `word`, k = 0..3.
 __device__ __forceinline__ void unpack_int4_pairs(u32 word, u32 (&q)[4]) {
 #pragma unroll

@@ -3,9 +3,10 @@
 qweight uint8 e4m3 codes [out, in] row-major, scales fp16 [out] (docs/FORMAT.md), read as stored;
 in % 16 == 0 (a 16-byte load is 16 weights of a row). Decode: fp8_e4m3_channel_gemv_<epilogue>_
 t<threads>_r<R> (gemv_rows.cuh's CUDA-core body; the hardware conversion cvt.rn.f16x2.e4m3x2 decodes).
-Prefill, by backend.prefill_variant: "cublas", fp8_e4m3_channel_dequant_f32 into an fp32 scratch weight
-(decode(q) * s is exact in fp32), then one cuBLAS fp32 GEMM (linear.DequantLinear); or "pipe" /
-"pipe64", the tensor-core kernels fp8_e4m3_channel_mma_pipe{,64}_f32 (pipe8.cuh, linear.BytePipeLinear).
+Prefill, by backend.prefill_variant: "pipe64" (the default) or "pipe", the tensor-core kernels
+fp8_e4m3_channel_mma_pipe{64,}_f32 (pipe8.cuh, linear.PipeLinear); or "cublas",
+fp8_e4m3_channel_dequant_f32 into an fp32 scratch weight (decode(q) * s is exact in fp32), then one cuBLAS
+fp32 GEMM (linear.DequantLinear).
 
 `hardware_encode` / `hardware_decode` run the GPU's own e4m3 conversions on host arrays, for the unit
 test that holds the format's NumPy definition to them bit for bit (ladder/unit/test_fp8_hardware.py).
@@ -17,7 +18,7 @@ import cupy as cp
 import numpy as np
 
 from kernels.cuda import loader
-from kernels.cuda.linear import BytePipeLinear, blocks, i32
+from kernels.cuda.linear import PipeLinear, blocks, i32
 
 GEMV_KERNEL = "fp8_e4m3_channel_gemv"
 CHUNK_INPUTS = 16  # inputs of one 16-byte weight load (8-bit weights): the step of the CUDA-core
@@ -28,18 +29,18 @@ DEFAULT_CONFIG = {"qkv_proj": "t128_r4", "o_proj_residual": "t128_r4", "gate_up_
                   "down_residual": "t128_r4"}
 
 
-# prefill kernels (linear.BytePipeLinear): the shipped cuBLAS path until the tensor-core ones are measured
-# on an H200 (bench/prefill_gemm.py times each; bench/NOTES.md v5)
-PREFILL_VARIANTS = ("cublas", "pipe", "pipe64")
-DEFAULT_PREFILL = "cublas"
+# prefill kernels (linear.PipeLinear): pipe64 was the fastest at every prompt length from 16 to 8192 on
+# an H200, 3.7x cuBLAS fp32 at 512 tokens (python -m bench.prefill_gemm, bench/NOTES.md v5)
+PREFILL_VARIANTS = ("pipe64", "pipe", "cublas")
+DEFAULT_PREFILL = "pipe64"
 
 
 def specs(out_features: int, in_features: int) -> dict:
     return {"qweight": (np.uint8, (out_features, in_features)), "scales": (np.float16, (out_features,))}
 
 
-class Fp8Linear(BytePipeLinear):
-    """BytePipeLinear with the hardware conversions the format's definition is held to (the unit test
+class Fp8Linear(PipeLinear):
+    """PipeLinear with the hardware conversions the format's definition is held to (the unit test
     reaches them as `backend.linears["fp8_e4m3_channel"]`; the backend class knows nothing of e4m3)."""
 
     @staticmethod

@@ -5,9 +5,11 @@
 //     - t<THREADS>_r<R>: the shared CUDA-core body of gemv_rows.cuh with the asym decoder;
 //     - tc_w<NW>_u<U>: int4_sym_g128.cu's tensor-core GEMV with the zero point of each group instead
 //       of the fixed 8 (below);
-//   * prefill (T > 1): int4_asym_g128_dequant_f32 writes the exact fp32 weight (q - z) * s (5 x 11
-//     significant bits) into a scratch buffer, cuBLAS multiplies in fp32 (the launcher,
-//     kernels/cuda/int4_asym_g128.py), and the shared epilogues of epilogues.cu finish.
+//   * prefill (T > 1), by the launcher's prefill variant (kernels/cuda/int4_asym_g128.py): the tensor-core
+//     ring of int4_pipe.cuh with this format's zero point per group (int4_asym_g128_mma_pipe{,64}_f32:
+//     exact fp16 products (q - z) x, a 128-input fp32 partial per group, scaled once), or
+//     int4_asym_g128_dequant_f32, which writes the exact fp32 weight (q - z) * s (5 x 11 significant bits)
+//     into a scratch buffer for one cuBLAS fp32 GEMM; the shared epilogues of epilogues.cu finish both.
 //
 // Layout the loads assume: qweight uint32 [out, in/8] in int4_sym_g128's ValueShuffle nibble order
 // (common.cuh draws it), scale_zero uint32 [out, in/128] (bits 0..15 the fp16 scale, bits 16..31 the
@@ -18,16 +20,9 @@
 // Entry points: int4_asym_g128_gemv_<epilogue>_<variant>, written out (not a macro) so that the loader
 // and the compile test see every name; the launcher picks one per op (backend.gemv_config).
 #include "gemv_rows.cuh"
+#include "int4_pipe.cuh"
 
 // ---- unpack helpers --------------------------------------------------------------------------------
-
-// int4_asym_g128: a scale_zero word (low half: fp16 scale, high half: fp16 1024 + z, i.e. 0x6400 | z)
-// -> the half2 (1024 + z, 1024 + z): prmt 0x3232 copies bytes (2, 3) into both halves.
-__device__ __forceinline__ u32 zero_pair(u32 scale_zero) {
-    u32 z;
-    asm("prmt.b32 %0, %1, %2, 0x3232;" : "=r"(z) : "r"(scale_zero), "r"(0u));
-    return z;
-}
 
 // q[k] = half2 (element 2k - z, element 2k+1 - z) of a ValueShuffle word (int4_sym_g128's nibble order,
 // common.cuh): (word >> 4k) & 0x000F000F | 0x64006400 is the half2 (1024 + q_2k, 1024 + q_2k+1), and
@@ -269,7 +264,7 @@ extern "C" __global__ void __launch_bounds__(256) int4_asym_g128_gemv_silu_mul_f
     asym_gemv_tc<EPI_SILU_MUL_F16, 8, 2>(x, qweight, scale_zero, nullptr, out, nullptr, rows, in_f);
 }
 
-// ---- prefill path: the exact fp32 weight ------------------------------------------------------------
+// ---- prefill path: the exact fp32 weight for cuBLAS ------------------------------------------------------------
 
 // w[r, k] = (q[r, k] - z[r, k/128]) * s[r, k/128]  (fp32 [rows, in_f]; exact). One thread per qweight
 // word (8 weights of one row, one group: 16 words per group), unpacked by the GEMV's own helper; the
@@ -294,4 +289,16 @@ extern "C" __global__ void int4_asym_g128_dequant_f32(const u32* qweight, const 
             out[2 * k + 1] = v1 * s;
         }
     }
+}
+
+// ---- prefill path: the tensor-core ring (int4_pipe.cuh) ------------------------------------------------
+// x fp16 [T, K], qweight uint32 [N, K/8], scale_zero uint32 [N, K/128] -> y fp32 [T, N]; K % 128 == 0.
+extern "C" __global__ void __launch_bounds__(256, 1)
+int4_asym_g128_mma_pipe_f32(const f16_bits* x, const u32* qweight, const u32* scale_zero, float* y, int T, int N, int K) {
+    int4_mma_pipe<4>(x, qweight, AsymGroups{scale_zero, K / 128}, y, T, N, K);
+}
+extern "C" __global__ void __launch_bounds__(256, 2)
+int4_asym_g128_mma_pipe64_f32(const f16_bits* x, const u32* qweight, const u32* scale_zero, float* y, int T, int N,
+                              int K) {
+    int4_mma_pipe<2>(x, qweight, AsymGroups{scale_zero, K / 128}, y, T, N, K);
 }

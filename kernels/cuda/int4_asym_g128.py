@@ -3,7 +3,9 @@
 qweight uint32 [out, in/8] (ValueShuffle nibbles q), scale_zero uint32 [out, in/128] (low half the fp16
 scale, high half the fp16 number 1024 + z), docs/FORMAT.md, read as stored; in % 128 == 0. Decode:
 int4_asym_g128_gemv_<epilogue>_<variant>, CUDA-core "t<threads>_r<R>" (gemv_rows.cuh) or tensor-core
-"tc_w<warps>_u<groups>" (int4_sym_g128.cu's with a zero point per group). Prefill:
+"tc_w<warps>_u<groups>" (int4_sym_g128.cu's with a zero point per group). Prefill, by
+backend.prefill_variant: "pipe64" or "pipe", int4_sym_g128's tensor-core ring with this format's zero
+point per group (int4_pipe.cuh: int4_asym_g128_mma_pipe{64,}_f32, linear.PipeLinear); or "cublas",
 int4_asym_g128_dequant_f32 into an fp32 scratch weight ((q - z) * s is exact in fp32), then one cuBLAS
 fp32 GEMM (linear.DequantLinear).
 
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels.cuda.linear import DequantLinear
+from kernels.cuda.linear import PipeLinear
 
 GROUP = 128
 MAGIC = 0x6400  # fp16 1024.0: 0x6400 | z is the fp16 number 1024 + z
@@ -28,12 +30,18 @@ DEFAULT_CONFIG = {"qkv_proj": "tc_w8_u2", "o_proj_residual": "t128_r4", "gate_up
                   "down_residual": "t128_r4"}
 
 
+# prefill kernels (linear.PipeLinear): int4_sym_g128's ring with a zero point per group; the default
+# until the H200 times the two by prompt length (python -m bench.prefill_gemm, bench/NOTES.md v5)
+PREFILL_VARIANTS = ("pipe64", "pipe", "cublas")
+DEFAULT_PREFILL = "pipe64"
+
+
 def specs(out_features: int, in_features: int) -> dict:
     return {"qweight": (np.uint32, (out_features, in_features // 8)),
             "scale_zero": (np.uint32, (out_features, in_features // GROUP))}
 
 
-class Int4AsymG128Linear(DequantLinear):
+class Int4AsymG128Linear(PipeLinear):
     def check_values(self, host):
         high = host["scale_zero"] >> np.uint32(16)
         bad = (high & np.uint32(0xFFF0)) != MAGIC
@@ -46,4 +54,5 @@ class Int4AsymG128Linear(DequantLinear):
 LINEAR = Int4AsymG128Linear("int4_asym_g128", specs=specs, in_multiple=GROUP, gemv_kernel=GEMV_KERNEL,
                             variants=VARIANTS, default_config=DEFAULT_CONFIG,
                             dequant_kernel="int4_asym_g128_dequant_f32",
-                            dequant_items=lambda out_f, in_f: out_f * in_f // 8)
+                            dequant_items=lambda out_f, in_f: out_f * in_f // 8, prefill_variants=PREFILL_VARIANTS,
+                            default_prefill=DEFAULT_PREFILL)

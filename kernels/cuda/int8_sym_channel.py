@@ -2,17 +2,17 @@
 
 qweight int8 [out, in] row-major, scales fp16 [out] (docs/FORMAT.md), read as stored; in % 16 == 0
 (a 16-byte load is 16 weights of a row). Decode: int8_sym_channel_gemv_<epilogue>_t<threads>_r<R>
-(gemv_rows.cuh's CUDA-core body). Prefill, by backend.prefill_variant: "cublas",
-int8_sym_channel_dequant_f32 into an fp32 scratch weight (q * s is exact in fp32), then one cuBLAS fp32
-GEMM (linear.DequantLinear); or "pipe" / "pipe64", the tensor-core kernels
-int8_sym_channel_mma_pipe{,64}_f32 (pipe8.cuh, linear.BytePipeLinear).
+(gemv_rows.cuh's CUDA-core body). Prefill, by backend.prefill_variant: "pipe64" (the default) or "pipe",
+the tensor-core kernels int8_sym_channel_mma_pipe{64,}_f32 (pipe8.cuh, linear.PipeLinear); or
+"cublas", int8_sym_channel_dequant_f32 into an fp32 scratch weight (q * s is exact in fp32), then one
+cuBLAS fp32 GEMM (linear.DequantLinear).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from kernels.cuda.linear import BytePipeLinear
+from kernels.cuda.linear import PipeLinear
 
 GEMV_KERNEL = "int8_sym_channel_gemv"
 CHUNK_INPUTS = 16  # inputs of one 16-byte weight load (8-bit weights): the step of the CUDA-core
@@ -23,17 +23,17 @@ DEFAULT_CONFIG = {"qkv_proj": "t128_r4", "o_proj_residual": "t128_r4", "gate_up_
                   "down_residual": "t128_r4"}
 
 
-# prefill kernels (linear.BytePipeLinear): the shipped cuBLAS path until the tensor-core ones are measured
-# on an H200 (bench/prefill_gemm.py times each; bench/NOTES.md v5)
-PREFILL_VARIANTS = ("cublas", "pipe", "pipe64")
-DEFAULT_PREFILL = "cublas"
+# prefill kernels (linear.PipeLinear): pipe64 was the fastest at every prompt length from 16 to 8192 on
+# an H200, 3.7x cuBLAS fp32 at 512 tokens (python -m bench.prefill_gemm, bench/NOTES.md v5)
+PREFILL_VARIANTS = ("pipe64", "pipe", "cublas")
+DEFAULT_PREFILL = "pipe64"
 
 
 def specs(out_features: int, in_features: int) -> dict:
     return {"qweight": (np.int8, (out_features, in_features)), "scales": (np.float16, (out_features,))}
 
 
-LINEAR = BytePipeLinear("int8_sym_channel", specs=specs, in_multiple=CHUNK_INPUTS, gemv_kernel=GEMV_KERNEL, variants=VARIANTS,
+LINEAR = PipeLinear("int8_sym_channel", specs=specs, in_multiple=CHUNK_INPUTS, gemv_kernel=GEMV_KERNEL, variants=VARIANTS,
                         default_config=DEFAULT_CONFIG, dequant_kernel="int8_sym_channel_dequant_f32",
                         dequant_items=lambda out_f, in_f: out_f * in_f, prefill_variants=PREFILL_VARIANTS,
                         default_prefill=DEFAULT_PREFILL)

@@ -13,8 +13,8 @@ these classes; CudaBackend calls it for the four quantized ops:
 - `matmul_f32(backend, x, w)`, the prefill path: fp32 [T, out] = x W^T; the backend then runs the
   shared epilogue kernels (epilogues.cu). `DequantLinear` does it with the format's dequantize kernel
   into an fp32 scratch weight (every shipped format's values are exact in fp32) and one cuBLAS fp32
-  GEMM; `BytePipeLinear` (the 8-bit formats) may instead take the tensor-core kernels of pipe8.cuh;
-  int4_sym_g128 has its own tensor-core kernels.
+  GEMM; `PipeLinear` (the 8-bit formats, int4_asym_g128) may instead take the format's tensor-core
+  ring kernels (pipe8.cuh, int4_pipe.cuh); int4_sym_g128 has its own launcher for its tensor-core kernels.
 
 Nothing here allocates on the T = 1 path (graph capture); scratch comes from `backend.scratch`, never
 freed while the backend lives.
@@ -134,15 +134,17 @@ class DequantLinear(GemvLinear):
         return y
 
 
-class BytePipeLinear(DequantLinear):
-    """A DequantLinear (one byte a weight, one fp16 scale a row) whose prefill can also run on the tensor
-    cores: `<name>_mma_pipe_f32` ("pipe", 128 x 128 tiles) or `<name>_mma_pipe64_f32` ("pipe64", 64 x 128
-    tiles), pipe8.cuh: the weights decoded to their exact fp16 values in the B fragments, 128-input fp32
-    partials, the row's scale once at the end. `backend.prefill_variant[name]` picks among
-    `prefill_variants`; "cublas" is DequantLinear's dequantize-and-cuBLAS path."""
+class PipeLinear(DequantLinear):
+    """A DequantLinear whose prefill can also run on the tensor cores: `<name>_mma_pipe_f32` ("pipe", 128 x
+    128 tiles) or `<name>_mma_pipe64_f32` ("pipe64", 64 x 128 tiles), each called as (x, the weight
+    tensors, y, T, N, K). The 8-bit formats' come from pipe8.cuh (each weight decoded to its exact fp16
+    value in the B fragments, the row's scale once at the end), int4_asym_g128's from int4_pipe.cuh
+    (q - z exact in fp16, each group's scale on its partial); both keep 128-input fp32 partials.
+    `backend.prefill_variant[name]` picks among `prefill_variants`; "cublas" is DequantLinear's
+    dequantize-and-cuBLAS path."""
 
     PIPE_KERNELS = {"pipe": ("_mma_pipe_f32", 128), "pipe64": ("_mma_pipe64_f32", 64)}  # suffix, tokens a tile
-    PIPE_BN = 128  # weight rows a tile: pipe8.cuh P8_BN
+    PIPE_BN = 128  # weight rows a tile: pipe8.cuh P8_BN, int4_pipe.cuh PIPE_BN
 
     def __init__(self, name: str, *, prefill_variants: tuple, default_prefill: str, **kw):
         super().__init__(name, **kw)
