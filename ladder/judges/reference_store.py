@@ -28,7 +28,8 @@ not what it is checked against).
 - Reference runs (`graph-references/MODEL_KEY/PROMPT_KEY.npz`, tokens and float32 logits): computed
   together, all the prompts of a model a run asks for in one batched run (`get_many`), by one process at
   a time holding `graph-references/.MODEL_KEY.lock`; a worker that needs the same prompts waits and reads
-  them. Block outputs (`layer-references/KEY.npz`): no lock; two processes that compute the same item
+  them. Block outputs (`layer-references/KEY.npz`), and a seeded synthetic block's quantized tensors with
+  its references' outputs (`kept_synthetic_block`): no lock; two processes that compute the same item
   write the same values, and the later replace wins. The most recently used
   models' folders, and block files, are kept up to KEPT_BYTES each.
 
@@ -259,6 +260,31 @@ class KeptReferences:
         self._mark_used()
         if new:
             _prune(self.folder.parent, KEPT_BYTES)
+
+
+def kept_synthetic_block(recipe, compute: Callable[[], dict]) -> dict[str, np.ndarray]:
+    """The arrays of a seeded synthetic block (its quantized tensors and its references' outputs, as
+    `compute()` returns them), kept under layer-references by its recipe: `recipe` (shape, seed, format,
+    case, input digest), the source that draws it (fixtures/tiny_model.py) and SOURCES, which hold the
+    formats' quantizers and the references. The 7B shape's block is 233 M weights: drawing and quantizing
+    it on the host took 5 to 18 s of a worker, and its HF reference imports torch, where reading it back
+    takes a fraction of a second."""
+    draw = hashlib.sha256((_REPO / "fixtures" / "tiny_model.py").read_bytes()).hexdigest()
+    root = kept_root(BLOCKS)
+    path = root / f"{_key('synthetic-block', recipe, draw)}.npz"
+    if not _fresh():
+        try:
+            with np.load(path) as z:
+                kept = {n: z[n] for n in z.files}
+            os.utime(path)  # used: pruning goes by it
+            return kept
+        except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile):
+            pass  # not kept yet, or broken: computed again and replaced
+    arrays = compute()
+    root.mkdir(parents=True, exist_ok=True)
+    _write(path, **arrays)
+    _prune(root, KEPT_BYTES)
+    return arrays
 
 
 def _read(path: Path, *names: str) -> tuple | None:

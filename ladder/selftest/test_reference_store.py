@@ -7,7 +7,9 @@ prompt, token count or model runs again; a broken file is run again and replaced
 computed together, only the missing ones, by one worker while another asking for them waits and reads
 them; a full forward is kept by its tokens and first position; NANOQWEN_FRESH_REFERENCES
 runs everything again; the oldest models' runs go past the size budget, and a read counts as a use.
-Block outputs: kept by their weights and input, a large block never. And a graph or layer rung whose
+Block outputs: kept by their weights and input, a large block never; a seeded synthetic block (the 7B
+shape's) kept with its quantized tensors by its recipe, checked again without drawing it, and a red one
+still names its op. And a graph or layer rung whose
 references are kept imports neither torch nor transformers.
 """
 
@@ -327,3 +329,62 @@ def test_a_large_block_is_computed_every_time(store, monkeypatch):
     for _ in range(2):
         reference_store.kept_block({}, w, 0, np.zeros((1, 4), np.float32), lambda: calls.append(1) or (1, 2, 3))
     assert len(calls) == 2 and not reference_store.kept_root(reference_store.BLOCKS).exists()
+
+
+def _plain64(config, weights, layer, x):  # a stand-in for the HF decoder layer: the float64 reference
+    from reference.model import ref_block
+
+    return ref_block(config, weights, layer, x, np.arange(len(x)))
+
+
+SYNTHETIC_CASE = dict(layer=0, L=15, steps=20, seed=5)  # decode crosses 16 and 32
+
+
+def test_a_kept_synthetic_block_is_checked_again_without_drawing_it(store, monkeypatch):
+    """The 7B-shape case's path on a small shape: the first check draws, quantizes and keeps; the second
+    reads the engine's tensors and both references' outputs back, bit for bit, and draws nothing."""
+    from engine.config import SHAPES
+    from fixtures.layer_cases import LayerCase
+    from kernels import get_backend
+    from ladder.checks import block as block_check
+
+    config, case, backend = SHAPES["tiny"], LayerCase(**SYNTHETIC_CASE), get_backend("numpy")
+    drawn, references = [], []
+    real = block_check.BlockUnderTest.synthetic.__func__
+    monkeypatch.setattr(block_check.BlockUnderTest, "synthetic",
+                        classmethod(lambda cls, *a, **k: drawn.append(1) or real(cls, *a, **k)))
+    hf = lambda *a: references.append(1) or _plain64(*a)  # noqa: E731
+    block_check.check_synthetic_block(backend, config, 3, "int4_sym_g128", case, hf, against="float64 ref_block")
+    assert drawn == [1] and references == [1]
+    block_check.check_synthetic_block(backend, config, 3, "int4_sym_g128", case, hf, against="float64 ref_block")
+    assert drawn == [1] and references == [1], "the second check drew the block or ran a reference again"
+    kept_file, = reference_store.kept_root(reference_store.BLOCKS).glob("*.npz")
+    with np.load(kept_file) as kept:
+        fresh = real(block_check.BlockUnderTest, config, 3, "int4_sym_g128").stored
+        assert sorted(kept.files) == sorted(["tensor/" + k for k in fresh] + [f"{w}/{n}" for w in ("ref", "plain")
+                                                                             for n in "okv"])
+        assert all(np.array_equal(kept["tensor/" + k], v) and kept["tensor/" + k].dtype == v.dtype
+                   for k, v in fresh.items())
+    block_check.check_synthetic_block(backend, config, 4, "int4_sym_g128", case, hf, against="float64 ref_block")
+    block_check.check_synthetic_block(backend, config, 3, "int8_sym_channel", case, hf, against="float64 ref_block")
+    assert drawn == [1, 1, 1], "another seed or format is another block"
+
+
+def test_a_red_kept_synthetic_block_draws_its_weights_to_name_the_op(store):
+    """A kept block whose check fails still names the op inside it: the reference's weights, not kept,
+    are drawn again for the search (here the kept o_proj scales are doubled, as a broken conversion would)."""
+    from engine.config import SHAPES
+    from fixtures.layer_cases import LayerCase
+    from kernels import get_backend
+    from ladder.checks.block import check_synthetic_block
+
+    config, case, backend = SHAPES["tiny"], LayerCase(**SYNTHETIC_CASE), get_backend("numpy")
+    check_synthetic_block(backend, config, 3, "int4_sym_g128", case, _plain64, against="float64 ref_block")
+    kept_file, = reference_store.kept_root(reference_store.BLOCKS).glob("*.npz")
+    with np.load(kept_file) as z:
+        arrays = {n: z[n] for n in z.files}
+    arrays["tensor/model.layers.0.self_attn.o_proj.scales"] *= np.float16(2)  # the engine reads a wrong o_proj
+    np.savez(kept_file, **arrays)
+    with pytest.raises(AssertionError, match="block_output") as err:
+        check_synthetic_block(backend, config, 3, "int4_sym_g128", case, _plain64, against="float64 ref_block")
+    assert "the first op over its bound inside the block is o_proj" in str(err.value), str(err.value)[-600:]
