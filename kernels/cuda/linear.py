@@ -141,18 +141,22 @@ class PipeLinear(DequantLinear):
     value in the B fragments, the row's scale once at the end), int4_asym_g128's from int4_pipe.cuh
     (q - z exact in fp16, each group's scale on its partial); both keep 128-input fp32 partials.
     `backend.prefill_variant[name]` picks among `prefill_variants`; "cublas" is DequantLinear's
-    dequantize-and-cuBLAS path."""
+    dequantize-and-cuBLAS path; "auto" (with `pipe_from_tokens`) takes "pipe64" below that many tokens and
+    "pipe" from there."""
 
     PIPE_KERNELS = {"pipe": ("_mma_pipe_f32", 128), "pipe64": ("_mma_pipe64_f32", 64)}  # suffix, tokens a tile
     PIPE_BN = 128  # weight rows a tile: pipe8.cuh P8_BN, int4_pipe.cuh PIPE_BN
 
-    def __init__(self, name: str, *, prefill_variants: tuple, default_prefill: str, **kw):
+    def __init__(self, name: str, *, prefill_variants: tuple, default_prefill: str, pipe_from_tokens: int | None = None,
+                 **kw):
         super().__init__(name, **kw)
-        unknown = set(prefill_variants) - {"cublas", *self.PIPE_KERNELS}
+        known = {"cublas", *self.PIPE_KERNELS, *(("auto",) if pipe_from_tokens else ())}
+        unknown = set(prefill_variants) - known
         if unknown or default_prefill not in prefill_variants:
             raise ValueError(f"{name}: prefill variants {prefill_variants} (default {default_prefill!r}) are not "
-                             f"among cublas, {', '.join(self.PIPE_KERNELS)}")
+                             f"among {', '.join(sorted(known))}")
         self.prefill_variants, self.default_prefill = tuple(prefill_variants), default_prefill
+        self.pipe_from_tokens = pipe_from_tokens
 
     def matmul_f32(self, backend, x, w):
         variant = getattr(backend, "prefill_variant", {}).get(self.name, self.default_prefill)
@@ -163,6 +167,8 @@ class PipeLinear(DequantLinear):
         if x.data.ptr % 16:
             raise ValueError("x: the prefill kernel reads activations in 16-byte loads; x is not 16-byte aligned")
         T, N, K = x.shape[0], w.out_features, w.in_features
+        if variant == "auto":
+            variant = "pipe" if T >= self.pipe_from_tokens else "pipe64"
         y = backend.scratch("prefill_y", (T, N), np.float32)
         suffix, bm = self.PIPE_KERNELS[variant]
         loader.kernels()[self.name + suffix]((-(-N // self.PIPE_BN), -(-T // bm)), (256,),
