@@ -32,15 +32,14 @@
 // row's group-g scale (for the C fragment's columns, applied to a finished group's partial), and, when
 // ZERO_PER_GROUP, `zero(row, g)`, the half2 (1024 + z, 1024 + z) that int4_pair subtracts (for the B
 // fragment's rows).
-// int4_sym_g128: fp16 scales [N, K/128] and int4_pair's fixed zero point 8. No zero is loaded or kept:
-// a register array of constants changed the compiled kernel; without it, nvcc 13.0 gives the same
-// int4_mma_pipe{,64}_f32 machine code as before the asym format shared this file.
+// int4_sym_g128: fp16 scales [N, K/128] and int4_pair's fixed zero point 8, so no `zero`: nothing is loaded
+// or kept (a register array of constants changed the compiled kernel; without it, nvcc 13.0 gives the
+// same int4_mma_pipe{,64}_f32 machine code as before the asym format shared this file).
 struct SymGroups {
     static constexpr bool ZERO_PER_GROUP = false;
     const f16_bits* __restrict__ scales;
     int groups;
     __device__ __forceinline__ f16_bits scale(int row, int g) const { return __ldg(scales + (size_t)row * groups + g); }
-    __device__ __forceinline__ u32 zero(int, int) const { return 0x64086408u; }
 };
 // int4_asym_g128: scale_zero uint32 [N, K/128], low half the fp16 scale, high half the fp16 number
 // 1024 + z (0x6400 | z), so the zero's half2 is the high half twice (zero_pair) and q - z stays exact.
