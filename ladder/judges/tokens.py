@@ -40,13 +40,13 @@ Stop ids are ignored: both sides generate exactly `n_new` tokens (`new_tokens_fo
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
 from engine.config import PAGE_SIZE
-import math
-
 from ladder.judges.tolerances import (FLIP_TEST_ALPHA, FLOOR_PROMPTS, MAX_ALLOWED_PER_SPREAD, NEAR_TIE_EPS_PER_LOGIT_DIFF,
                                TOL)
 
@@ -87,8 +87,8 @@ class Reference:
     tokens: np.ndarray  # int64 [N]: the reference's greedy token at each new position
     logits: np.ndarray  # float32 [N, V]: the logits that chose it
 
-    @property
-    def margins(self) -> np.ndarray:
+    @functools.cached_property
+    def margins(self) -> np.ndarray:  # computed once: the eager and the captured runs are judged by the same
         return top2_margin(self.logits)
 
 
@@ -424,16 +424,23 @@ def compare_greedy(prompt_id: str, ref: Reference, eng_logits, backend: str = "?
     eps = bounds.eps
     margins = ref.margins
     finite = np.isfinite(eng_logits).all(axis=-1)
-    diff = np.abs(eng_logits.astype(np.float64) - ref.logits.astype(np.float64))
+    # the differences in float64 (exact for two float32 values), computed in the ufunc's own buffers: a
+    # 152k vocabulary's rows are 22 MB of float64 a prompt, and every temporary of them costs milliseconds
+    diff = np.subtract(eng_logits, ref.logits, dtype=np.float64)
+    np.abs(diff, out=diff)
+    if finite.size and finite.all():
+        max_diff, chosen = float(diff.max()), np.argmax(eng_logits, axis=-1)
+    else:  # a row with NaN or inf: its finite rows' differences, its tokens with NaN as the lowest logit
+        max_diff = float(diff[finite].max()) if finite.any() else float("inf")
+        chosen = [np.argmax(np.nan_to_num(row, nan=-np.inf)) for row in eng_logits]
     res = TokenResult(prompt_id, backend, ref.prompt_len, len(ref.tokens), 0, eps, bounds.max_logit_diff,
                       min_margin=float(margins.min()) if margins.size else float("inf"),
                       flat_positions=int((margins < eps).sum()),
-                      max_logit_diff=float(diff[finite].max()) if finite.any() else float("inf"),
+                      max_logit_diff=max_diff,
                       nan_positions=int((~finite).sum()), floor_close=bounds.floor_close,
                       floor_flips=bounds.floor_flips)
-    for step, (ref_tok, row) in enumerate(zip(ref.tokens, eng_logits)):
-        ref_tok = int(ref_tok)
-        eng_tok = int(np.argmax(np.nan_to_num(row, nan=-np.inf)))
+    for step, (ref_tok, eng_tok) in enumerate(zip(ref.tokens, chosen)):
+        ref_tok, eng_tok = int(ref_tok), int(eng_tok)
         if eng_tok == ref_tok:
             res.exact += 1
             continue

@@ -143,6 +143,42 @@ def test_nan_in_the_engine_logits_fails():
     assert not res.passed and res.nan_positions == 1 and "NaN" in res.describe()
 
 
+def _row_by_row(ref: Reference, eng: np.ndarray) -> tuple:
+    """The judgement's definition, one row at a time: each row's token is its argmax with NaN the lowest
+    logit (the first of equal maxima), and the largest difference is over the rows without NaN or inf."""
+    finite = [bool(np.isfinite(row).all()) for row in eng]
+    diffs = [float(np.abs(row.astype(np.float64) - r.astype(np.float64)).max())
+             for row, r, ok in zip(eng, ref.logits, finite) if ok]
+    tokens = [int(np.argmax(np.where(np.isnan(row), -np.inf, row))) for row in eng]
+    return max(diffs) if diffs else float("inf"), tokens, finite.count(False)
+
+
+@pytest.mark.parametrize("case", ["finite", "ties", "nan row", "inf", "all nan"])
+def test_the_judgement_is_its_row_by_row_definition(case):
+    """compare_greedy works on whole arrays (a 152k vocabulary's rows are 22 MB of float64 a prompt); its
+    tokens, largest difference and NaN count are those of the row-by-row reading, bit for bit."""
+    rng = np.random.default_rng(7)
+    ref = clear_reference(3)
+    eng = ref.logits + rng.standard_normal(ref.logits.shape).astype(np.float32) * np.float32(FLOOR)
+    if case == "ties":  # equal maxima: the first index wins on both sides
+        eng[2, :] = 1.0
+        eng[5, [3, 9]] = eng[5].max() + 1
+    elif case == "nan row":
+        eng[4, 7] = np.nan
+        eng[4, 8] = 1e3  # the row's token is read past its NaN
+    elif case == "inf":
+        eng[6, 1] = np.inf
+        eng[7, 2] = -np.inf
+    elif case == "all nan":
+        eng[...] = np.nan
+    res = compare_greedy("p", ref, eng, bounds=BOUNDS)
+    max_diff, tokens, bad = _row_by_row(ref, eng)
+    assert res.max_logit_diff == max_diff and res.nan_positions == bad
+    flipped = {d.step: d.engine_token for d in res.near_ties + res.failures}
+    assert [flipped.get(i, int(t)) for i, t in enumerate(ref.tokens)] == tokens
+    assert res.exact == sum(int(t) == e for t, e in zip(ref.tokens, tokens))
+
+
 def test_fishers_exact_test_matches_the_tea_tasting_table():
     # Fisher's lady tasting tea: 3 of 4 cups right against 1 of 4; one-sided p = (16 + 1) / 70
     assert fisher_greater(3, 4, 1, 4) == pytest.approx(17 / 70, rel=1e-12)
