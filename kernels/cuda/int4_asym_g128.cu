@@ -264,7 +264,7 @@ extern "C" __global__ void __launch_bounds__(256) int4_asym_g128_gemv_silu_mul_f
     asym_gemv_tc<EPI_SILU_MUL_F16, 8, 2>(x, qweight, scale_zero, nullptr, out, nullptr, rows, in_f);
 }
 
-// ---- prefill path: the exact fp32 weight for cuBLAS ------------------------------------------------------------
+// ---- prefill path: the exact fp32 weight for cuBLAS ---------------------------------------------------
 
 // w[r, k] = (q[r, k] - z[r, k/128]) * s[r, k/128]  (fp32 [rows, in_f]; exact). One thread per qweight
 // word (8 weights of one row, one group: 16 words per group), unpacked by the GEMV's own helper; the
@@ -291,7 +291,7 @@ extern "C" __global__ void int4_asym_g128_dequant_f32(const u32* qweight, const 
     }
 }
 
-// ---- prefill path: the tensor-core ring (int4_pipe.cuh) ------------------------------------------------
+// ---- prefill path: the tensor-core ring (int4_pipe.cuh) -----------------------------------------------
 // x fp16 [T, K], qweight uint32 [N, K/8], scale_zero uint32 [N, K/128] -> y fp32 [T, N]; K % 128 == 0.
 extern "C" __global__ void __launch_bounds__(256, 1)
 int4_asym_g128_mma_pipe_f32(const f16_bits* x, const u32* qweight, const u32* scale_zero, float* y, int T, int N, int K) {
