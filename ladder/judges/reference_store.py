@@ -272,14 +272,10 @@ def kept_synthetic_block(recipe, compute: Callable[[], dict]) -> dict[str, np.nd
     draw = hashlib.sha256((_REPO / "fixtures" / "tiny_model.py").read_bytes()).hexdigest()
     root = kept_root(BLOCKS)
     path = root / f"{_key('synthetic-block', recipe, draw)}.npz"
-    if not _fresh():
-        try:
-            with np.load(path) as z:
-                kept = {n: z[n] for n in z.files}
-            os.utime(path)  # used: pruning goes by it
-            return kept
-        except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile):
-            pass  # not kept yet, or broken: computed again and replaced
+    kept = _read_all(path)
+    if kept is not None:
+        os.utime(path)  # used: pruning goes by it
+        return kept
     arrays = compute()
     root.mkdir(parents=True, exist_ok=True)
     _write(path, **arrays)
@@ -287,16 +283,24 @@ def kept_synthetic_block(recipe, compute: Callable[[], dict]) -> dict[str, np.nd
     return arrays
 
 
-def _read(path: Path, *names: str) -> tuple | None:
-    """The arrays `names` of a kept file; None when it is not kept yet, is broken (computed again and
+def _read_all(path: Path) -> dict[str, np.ndarray] | None:
+    """Every array of a kept file, by name; None when it is not kept yet, is broken (computed again and
     replaced), or NANOQWEN_FRESH_REFERENCES asks for everything again."""
     if _fresh():
         return None
     try:
         with np.load(path) as z:
-            return tuple(z[n] for n in names)
-    except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile):
+            return {n: z[n] for n in z.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile):
         return None
+
+
+def _read(path: Path, *names: str) -> tuple | None:
+    """The arrays `names` of a kept file (_read_all); None as there, or when one of them is missing."""
+    kept = _read_all(path)
+    if kept is None or any(n not in kept for n in names):
+        return None
+    return tuple(kept[n] for n in names)
 
 
 def _write(path: Path, **arrays) -> None:
