@@ -39,7 +39,8 @@ SWITCH = "NANOQWEN_KEPT_RESULTS"  # "off": never serve nor keep (the test proces
 SOURCE_PACKAGES = ("engine", "kernels", "ladder", "reference", "fixtures")
 # variables that say where files go or how often progress is printed: no result depends on them
 NOT_IN_KEY = {"NANOQWEN_CACHE", "NANOQWEN_STALL_SECONDS", "NANOQWEN_PROGRESS_DIR", "NANOQWEN_PROGRESS_SECONDS",
-              "NANOQWEN_PROGRESS_EVERY", "NANOQWEN_WORKER_LOG", "NANOQWEN_CONVERT_THREADS", SWITCH}
+              "NANOQWEN_PROGRESS_EVERY", "NANOQWEN_WORKER_LOG", "NANOQWEN_CONVERT_THREADS", "NANOQWEN_SIDE_BY_SIDE",
+              SWITCH}
 
 
 def enabled(args) -> bool:

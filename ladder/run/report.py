@@ -304,6 +304,11 @@ def _header(report: dict) -> list[str]:
         lines.append(f"- machine: {describe(m['resources'])}")
     if m.get("model_seconds") is not None:
         lines.append(f"- model resolved in {m['model_seconds']} s (conversions included, where not cached)")
+    if m.get("side_by_side"):
+        sbs = m["side_by_side"]
+        each = ", ".join(f"{r} ({sbs['workers'].get(r)} workers)" for r in sbs["rungs"])
+        lines.append(f"- rungs side by side: {each}; {sbs['seconds']} s of wall time together (each rung's seconds "
+                     "are its own)")
     if m.get("shard"):
         lines.append(f"- shard: {m['shard']}")
     if m.get("shards"):

@@ -50,8 +50,9 @@ PACKAGE = Path(__file__).resolve().parents[1]  # ladder/: the rungs' test folder
 ROOT = PACKAGE.parent  # the folder that holds the project's packages (a checkout, or site-packages)
 
 
-def rung_command(rung: str, out: Path, args, extra: list[str]) -> list[str]:
-    """The pytest command line of one rung: absolute paths only, the project's settings explicit."""
+def rung_command(rung: str, out: Path, args, extra: list[str], workers: str | None = None) -> list[str]:
+    """The pytest command line of one rung: absolute paths only, the project's settings explicit.
+    `workers`: its `-n`, where already chosen (side by side); else worker_count's."""
     cmd = [sys.executable, "-m", "pytest", str(PACKAGE / rung), "-m", rung, "-p", "ladder.plugin",
            # No configuration file is searched for (one above site-packages could be the user's own):
            # the settings are these flags and the plugin's markers; conftest files load from ROOT down.
@@ -59,7 +60,7 @@ def rung_command(rung: str, out: Path, args, extra: list[str]) -> list[str]:
            "-p", "no:cacheprovider", "--strict-markers", "-q", "-ra",
            "--ladder-json", str(out / f"{rung}.json"),
            "--junitxml", str(out / f"junit-{rung}.xml"), "-o", "junit_family=xunit2"]
-    workers = worker_count(args, rung)
+    workers = worker_count(args, rung) if workers is None else workers
     if workers != "0":  # a format's cases stay together on one worker (ladder/plugin/__init__.py marks the groups)
         cmd += ["-n", workers, "--dist", "loadgroup"]
     for opt in ("backend", "quant", "model", "prompts", "plant_fault", "hypothesis_profile", "new_tokens", "shard"):
@@ -164,67 +165,104 @@ def run_rung(cmd: list[str], env: dict, rung: str | None = None, out: Path | Non
     1), as one whose worker died. The rung runs in a session of its own so that its workers are stopped
     with it; Ctrl-C, SIGTERM or SIGHUP to this process stops it the same way. `rung` (for the lines) and
     `out` default to what the command line says (`-m RUNG`, `--ladder-json OUT/...`)."""
-    import shutil
+    run = RungRun(cmd, env, rung, out)
+    try:
+        with _signals_as_exceptions():
+            while run.poll(WATCH_SECONDS) is None:
+                pass
+    except BaseException:  # Ctrl-C, SIGTERM: stop the rung, its workers too, before passing it on
+        run.stop()
+        run.tidy()
+        raise
+    return run.finish()
 
-    from engine.progress import PROGRESS_DIR
 
-    rung = rung or _rung_in(cmd)
-    stall = stall_seconds(env)
-    folder = _progress_folder(out or _report_folder(cmd), rung)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**env, PROGRESS_DIR: str(folder)}, stderr=subprocess.PIPE,
-                            start_new_session=True)
-    watch = RungWatch(folder, rung, stall)
-    kept = bytearray()
+class RungRun:
+    """One rung's pytest, started at construction: `poll()` until it has an exit status, then `finish()`.
 
-    def pump() -> None:
+    run_rung runs one at a time; `nanoqwen ladder` runs several side by side on a small model (run_side_by_side),
+    each as here. `stdout`, when given, is a file the rung's stdout goes to instead of this process's (a rung
+    run beside another prints it once the rungs before it have printed theirs)."""
+
+    def __init__(self, cmd: list[str], env: dict, rung: str | None = None, out: Path | None = None, stdout=None):
+        from engine.progress import PROGRESS_DIR
+
+        self.cmd = cmd
+        self.rung = rung or _rung_in(cmd)
+        stall = stall_seconds(env)
+        self.folder = _progress_folder(out or _report_folder(cmd), self.rung)
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env={**env, PROGRESS_DIR: str(self.folder)}, stderr=subprocess.PIPE,
+                                     stdout=stdout, start_new_session=True)
+        self.watch = RungWatch(self.folder, self.rung, stall)
+        self.kept = bytearray()
+        self.code: int | None = None
+        self.stalled: str | None = None
+        self.reader = threading.Thread(target=self._pump, daemon=True)
+        self.reader.start()
+
+    def _pump(self) -> None:
         decode = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        while chunk := proc.stderr.read1(65536):
-            if len(kept) < 65536:  # the error lines come first; a long run's later stderr need not be kept
-                kept.extend(chunk)
+        while chunk := self.proc.stderr.read1(65536):
+            if len(self.kept) < 65536:  # the error lines come first; a long run's later stderr need not be kept
+                self.kept.extend(chunk)
             text = decode.decode(chunk)
-            with watch.lock:
+            with self.watch.lock:
                 sys.stderr.write(text)
                 sys.stderr.flush()
                 if text:
-                    watch.mid_line = not text.endswith("\n")
+                    self.watch.mid_line = not text.endswith("\n")
 
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-    stalled = None
-    try:
-        with _signals_as_exceptions():
-            while True:
-                try:
-                    code = proc.wait(timeout=WATCH_SECONDS)
-                    break
-                except subprocess.TimeoutExpired:
-                    stalled = watch.tick()
-                    if stalled:
-                        stop_group(proc)
-                        code = RED
-                        break
-    except BaseException:  # Ctrl-C, SIGTERM: stop the rung, its workers too, before passing it on
-        stop_group(proc)
-        raise
-    finally:
-        watch.tick(final=True)  # the lines written since the last look
-        shutil.rmtree(folder, ignore_errors=True)
-    # A process the rung left behind may hold the pipe open; the status is known, so wait only briefly.
-    reader.join(timeout=5)
-    if stalled:
-        watch.say(stalled)
-        watch.record(cmd, stalled)
-        return RED, None
-    if code < 0:  # pytest itself was killed (its workers' deaths it reports itself, one line each)
-        from ladder.plugin.liveness import cause
+    def poll(self, timeout: float = 0.0) -> int | None:
+        """The rung's exit status once it has one (RED for a stall, which stops it), else None after waiting
+        up to `timeout` seconds and looking at the progress folder."""
+        if self.code is not None:
+            return self.code
+        try:
+            self.code = self.proc.wait(timeout=timeout) if timeout else self.proc.poll()
+        except subprocess.TimeoutExpired:
+            self.code = None
+        if self.code is None:
+            self.stalled = self.watch.tick()
+            if self.stalled:
+                stop_group(self.proc)
+                self.code = RED
+        return self.code
 
-        watch.say(f"nanoqwen: rung {rung}: its pytest process was {cause(code, {})}")
-    text = bytes(kept).decode(errors="replace")
-    for line in text.splitlines():
-        m = _ERROR_LINE.match(line.strip())
-        if m and not m.group(1).startswith("usage:"):  # argparse's usage line comes before its reason
-            return code, m.group(1).strip()
-    return code, None
+    def stop(self, grace: float | None = None) -> None:
+        """Stop the rung and its workers (Ctrl-C, a red rung before it); finish() still tidies up."""
+        stop_group(self.proc, grace)
+        if self.code is None:
+            self.code = self.proc.returncode
+
+    def tidy(self) -> None:
+        """The progress lines written since the last look printed, and the progress folder removed."""
+        import shutil
+
+        try:
+            self.watch.tick(final=True)
+        finally:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+    def finish(self) -> tuple[int, str | None]:
+        """(the exit status, the first error line on stderr or None), once poll() has one; tidied."""
+        self.tidy()
+        # A process the rung left behind may hold the pipe open; the status is known, so wait only briefly.
+        self.reader.join(timeout=5)
+        code, rung = self.code, self.rung
+        if self.stalled:
+            self.watch.say(self.stalled)
+            self.watch.record(self.cmd, self.stalled)
+            return RED, None
+        if code < 0:  # pytest itself was killed (its workers' deaths it reports itself, one line each)
+            from ladder.plugin.liveness import cause
+
+            self.watch.say(f"nanoqwen: rung {rung}: its pytest process was {cause(code, {})}")
+        text = bytes(self.kept).decode(errors="replace")
+        for line in text.splitlines():
+            m = _ERROR_LINE.match(line.strip())
+            if m and not m.group(1).startswith("usage:"):  # argparse's usage line comes before its reason
+                return code, m.group(1).strip()
+        return code, None
 
 
 STALL_SECONDS = "NANOQWEN_STALL_SECONDS"  # a rung with no sign of life for this long is stopped (default 900)
@@ -573,49 +611,58 @@ def _ladder(args, resources) -> int:
     results, started = {}, datetime.datetime.now().isoformat(timespec="seconds")
     failed = False
     broke = None  # the harness line (exit 3) once a rung's pytest judged nothing
+    to_run = []  # (rung, its kept-results key or None), in order: the rungs not served from what is kept
     for i, rung in enumerate(rungs, 1):
-        print(f"[{i}/{len(rungs)}] rung {rung}", flush=True)
-        resources.phase = rung
-        rung_json = out / f"{rung}.json"
-        rung_json.unlink(missing_ok=True)  # a stale file from an earlier run must not count as this one
+        (out / f"{rung}.json").unlink(missing_ok=True)  # a stale file from an earlier run must not count as this one
         t0 = time.perf_counter()
         parts = kept_results.key(args, rung, extra, ROOT, ran_on["environment"]) if kept_results.keepable(args, rung) else None
         served = kept_results.serve(parts, out, rung) if parts else None
         if served:  # green before on the same sources, versions, device, model and options: shown, not rerun
             counts = served["data"].get("rungs", {}).get(rung, {})
+            print(f"[{i}/{len(rungs)}] rung {rung}", flush=True)
             print(f"nanoqwen: rung {rung}: kept: {counts.get('passed', 0)} passed, {counts.get('skipped', 0)} skipped "
                   f"at {served['kept']} ({served['seconds']} s) on the same sources, versions, device, model and "
                   f"options; --fresh runs it again", flush=True)
             results[rung] = {**served["data"], "exit": 0, "seconds": time.perf_counter() - t0,
                              "kept": {"at": served["kept"], "seconds": served["seconds"], "key": parts["digest"]}}
-            continue
-        code, error_line = run_rung(rung_command(rung, out, args, extra), env)
-        data = json.loads(rung_json.read_text()) if rung_json.exists() else {}
-        ran = sum(data.get("rungs", {}).get(rung, {}).values()) if data else 0
-        if args.shard and data and ran == 0 and code in (0, NO_TEST):
-            code = 0  # this shard holds none of the rung's tests; `ladder merge` fails a rung empty in every shard
-        elif args.changed and data and ran == 0 and code in (0, NO_TEST):
-            print(f"nanoqwen: rung {rung}: no case of it launches the code changed since {args.changed}")
-            code = 0
-        elif code in PYTEST_BROKE:  # pytest's collection errors are on stdout; the JUnit file holds them too
-            detail = error_line or (collection_error(out / f"junit-{rung}.xml") if code == 2 else None)
-            broke = harness_line(f"rung {rung}", f"pytest {PYTEST_BROKE[code]} (pytest exit {code})", detail)
-        elif code in (0, NO_TEST) and ran == 0:  # pytest's "no tests collected", or a run that wrote no result
-            what = "collected no test" + ("" if data else f" (no {rung_json.name} written)") + f" (pytest exit {code})"
-            broke = harness_line(f"rung {rung}", what, error_line, tail="")
-            code = NO_TEST
-        elif ran == 0:  # tests failed, or pytest was killed, before any result was written: red, and said so
-            print(f"nanoqwen: rung {rung}: pytest exit {code} and no result written", file=sys.stderr)
-        results[rung] = {**data, "exit": code, "seconds": time.perf_counter() - t0}
+        else:
+            to_run.append((rung, parts))
+
+    def conclude_rung(rung: str, code: int, error_line: str | None, seconds: float) -> bool:
+        """The rung's result judged, and kept where green; True when the later rungs must not run (a broken
+        rung, or a red one without --keep-going)."""
+        nonlocal failed, broke
+        results[rung], broke = judge_rung(rung, code, error_line, seconds, out, args)
+        code = results[rung]["exit"]
+        ran = sum(results[rung].get("rungs", {}).get(rung, {}).values())
+        parts = dict(to_run)[rung]
         if parts and code == 0 and ran > 0:
-            kept_results.store(parts, out, rung, results[rung]["seconds"])
+            kept_results.store(parts, out, rung, seconds)
         if broke:  # the later rungs would break the same way; not even --keep-going runs them
             failed = True  # the report must not read as passed
-            break
+            return True
         if code != 0:
             failed = True
             if not args.keep_going:
                 print(f"nanoqwen: rung {rung} is red; stopping (--keep-going runs the rest)", file=sys.stderr)
+                return True
+        return False
+
+    plan, workers = plan_side_by_side(args, [r for r, _ in to_run], model_files)
+    side_seconds = None
+    if plan is not None:
+        print(plan.line, flush=True)
+        t0 = time.perf_counter()
+        commands = [(r, rung_command(r, out, args, extra, plan.workers[r])) for r, _ in to_run]
+        run_side_by_side(commands, env, out, rungs, resources, conclude_rung)
+        side_seconds = time.perf_counter() - t0
+    else:
+        for rung, _ in to_run:
+            print(f"[{rungs.index(rung) + 1}/{len(rungs)}] rung {rung}", flush=True)
+            resources.phase = rung
+            t0 = time.perf_counter()
+            code, error_line = run_rung(rung_command(rung, out, args, extra, workers.get(rung)), env)
+            if conclude_rung(rung, code, error_line, time.perf_counter() - t0):
                 break
     resources.stop()
     if launch_map is not None:
@@ -624,18 +671,135 @@ def _ladder(args, resources) -> int:
             "plant_fault": args.plant_fault, "argv": sys.argv[1:], "shard": args.shard, "changed": args.changed,
             "model_files": model_files, "baseline": args.baseline, "resources": resources.record(model_files),
             "model_seconds": round(t_convert, 1),
+            "side_by_side": None if side_seconds is None else {"rungs": [r for r, _ in to_run], "workers": plan.workers,
+                                                               "seconds": round(side_seconds, 1)},
             # the commit of the checkout the rungs imported (ROOT), the library versions, the GPU
             **ran_on}
     # coverage is judged on a whole ladder: not on a subset of rungs, nor on a shard (its calls are partial)
     rep, failed = ladder_report.conclude(results, meta, out, failed, baseline,
                                          require_coverage=args.coverage and len(rungs) == len(RUNGS) and not args.shard)
     print_table(rep, args.coverage)
+    if side_seconds is not None:
+        added = sum(results[r]["seconds"] for r, _ in to_run if r in results)
+        print(f"rungs: side by side in {side_seconds:.1f} s of wall time (one after another, their seconds add up "
+              f"to {added:.1f} s)")
     print(f"model: resolved in {t_convert:.1f} s (conversions included); machine: {describe(meta['resources'])}")
     print(f"report: {out}/report.md, report.json, junit-*.xml")
     if broke:  # last, where it is seen: a broken harness is not a red rung, whatever the report judged
         print(broke, file=sys.stderr)
         return HARNESS_BROKE
     return RED if failed else GREEN
+
+
+def judge_rung(rung: str, code: int, error_line: str | None, seconds: float, out: Path, args) -> tuple[dict, str | None]:
+    """A finished rung's result for the report (its JSON, exit status and seconds) and, where its pytest
+    judged nothing, the harness line (exit 3); the lines a user needs about it printed."""
+    rung_json = out / f"{rung}.json"
+    data = json.loads(rung_json.read_text()) if rung_json.exists() else {}
+    ran = sum(data.get("rungs", {}).get(rung, {}).values()) if data else 0
+    broke = None
+    if args.shard and data and ran == 0 and code in (0, NO_TEST):
+        code = 0  # this shard holds none of the rung's tests; `ladder merge` fails a rung empty in every shard
+    elif args.changed and data and ran == 0 and code in (0, NO_TEST):
+        print(f"nanoqwen: rung {rung}: no case of it launches the code changed since {args.changed}")
+        code = 0
+    elif code in PYTEST_BROKE:  # pytest's collection errors are on stdout; the JUnit file holds them too
+        detail = error_line or (collection_error(out / f"junit-{rung}.xml") if code == 2 else None)
+        broke = harness_line(f"rung {rung}", f"pytest {PYTEST_BROKE[code]} (pytest exit {code})", detail)
+    elif code in (0, NO_TEST) and ran == 0:  # pytest's "no tests collected", or a run that wrote no result
+        what = "collected no test" + ("" if data else f" (no {rung_json.name} written)") + f" (pytest exit {code})"
+        broke = harness_line(f"rung {rung}", what, error_line, tail="")
+        code = NO_TEST
+    elif ran == 0:  # tests failed, or pytest was killed, before any result was written: red, and said so
+        print(f"nanoqwen: rung {rung}: pytest exit {code} and no result written", file=sys.stderr)
+    return {**data, "exit": code, "seconds": seconds}, broke
+
+
+def plan_side_by_side(args, rungs: list[str], model_files: list[str]):
+    """(the side-by-side plan or None, each rung's `-n` where already chosen) for the rungs to run now
+    (ladder/run/workers.py side_by_side); the lines that say what was chosen printed."""
+    from kernels import backend_available, backend_names
+    from ladder.run.workers import ModelSize, side_by_side
+
+    names = backend_names() if args.backend in (None, "all") else [args.backend]
+    running = [n for n in names if backend_available(n)[0]]
+    workers = {r: worker_count(args, r) for r in rungs if r != "unit"} if len(rungs) > 1 else {}
+    try:
+        plan, why = side_by_side(rungs, workers, ModelSize.of(model_files) if model_files and workers else None,
+                                 running, os.cpu_count() or 1, args.workers)
+    except ValueError as e:
+        raise LadderArgumentError(str(e)) from None
+    if why:
+        print(why, flush=True)
+    return plan, workers
+
+
+def run_side_by_side(commands: list[tuple[str, list[str]]], env: dict, out: Path, rungs: list[str], resources,
+                     conclude) -> None:
+    """Every rung's pytest started at once (RungRun, each with its own watchdog); concluded in the ladder's
+    order as each finishes: `conclude(rung, code, error_line, seconds)`, which returns True when the later
+    rungs must not count (a red rung without --keep-going, a broken one); those are then stopped and left
+    out of the report, as one after another they would not have run.
+
+    The first rung's stdout is this process's, live; each later one's goes to a file in the report folder
+    that is printed, under the rung's header, once the rungs before it have been concluded. Progress lines
+    (stderr) come live from every rung; each names its rung or its format."""
+    pending = [r for r, _ in commands]
+    runs: dict[str, tuple[RungRun, float]] = {}
+    files: dict[str, Path] = {}
+    seconds: dict[str, float] = {}
+
+    def header(rung: str, beside: bool) -> None:
+        print(f"[{rungs.index(rung) + 1}/{len(rungs)}] rung {rung}" + (" (ran beside the rungs before it)" if beside else ""),
+              flush=True)
+
+    def stop_pending() -> None:
+        for rung in pending:
+            run = runs.get(rung)
+            if run is not None:
+                run[0].stop()
+                run[0].tidy()
+        pending.clear()
+
+    try:
+        with _signals_as_exceptions():
+            header(pending[0], False)
+            for i, (rung, cmd) in enumerate(commands):
+                stdout = None
+                if i:
+                    files[rung] = out / f".stdout-{rung}.txt"
+                    stdout = open(files[rung], "wb")
+                try:
+                    runs[rung] = (RungRun(cmd, env, rung, out, stdout=stdout), time.perf_counter())
+                finally:
+                    if stdout is not None:
+                        stdout.close()  # the rung's pytest holds its own descriptor
+            while pending:
+                for rung in pending:
+                    run, t0 = runs[rung]
+                    if rung not in seconds and run.poll() is not None:
+                        seconds[rung] = time.perf_counter() - t0
+                resources.phase = "+".join(r for r in pending if r not in seconds) or pending[0]
+                head = pending[0]
+                if head not in seconds:
+                    time.sleep(WATCH_SECONDS)
+                    continue
+                pending.pop(0)
+                code, error_line = runs[head][0].finish()
+                if head in files:
+                    header(head, True)
+                    sys.stdout.flush()
+                    with open(files[head], "rb") as f:
+                        sys.stdout.buffer.write(f.read())
+                    sys.stdout.flush()
+                if conclude(head, code, error_line, seconds[head]):
+                    stop_pending()
+    except BaseException:  # Ctrl-C, SIGTERM: stop every rung, their workers too, before passing it on
+        stop_pending()
+        raise
+    finally:
+        for path in files.values():
+            path.unlink(missing_ok=True)
 
 
 def plan_launches(args, out: Path) -> Path | None:

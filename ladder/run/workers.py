@@ -156,3 +156,71 @@ def size_workers(rung: str, chosen: int, model_files, backends, explicit: bool =
                           f"more would not fit {model} ({why})")
         return chosen, None
     return best, f"nanoqwen: rung {rung}: {best} worker{'s' if best != 1 else ''} for {model} ({why})"
+
+
+# --- the rungs side by side ------------------------------------------------------------------------
+#
+# One after another, each rung's wall time is its longest case and its workers' start, while most of the
+# machine waits: on one H200 a 0.5B-shape model's first run took 199 s (unit 67, layer 47, graph 73) with
+# 16 cores mostly idle. The three rungs started at once as three ladders (unit on 8 workers, layer and
+# graph on 4 each) took 95.5 s together on the same model (bench/NOTES.md, v5). So on a machine with a
+# device backend, for a small model whose rungs fit the GPU's and the host's memory together, `nanoqwen
+# ladder` runs the rungs side by side; their verdicts and report are what they would be one after another
+# (ladder/run/runner.py run_side_by_side). On a host backend the rungs' workers already fill the cores,
+# and side by side would only share them.
+
+SIDE_BY_SIDE = "NANOQWEN_SIDE_BY_SIDE"  # on: side by side wherever they fit; off: one after another; unset: auto
+SIDE_BY_SIDE_BELOW = 2_000_000_000  # parameters: a larger model's rungs run one after another
+UNIT_WORKER = Need(gpu=2.0 * GB, host=3.0 * GB)  # the 7B-shape linears' weights and float64 readings, the 0.5B references
+MIN_UNIT_WORKERS = 2
+
+
+@dataclass(frozen=True)
+class SideBySide:
+    workers: dict  # rung -> its pytest-xdist workers (a string, as `-n` takes it)
+    line: str  # what was chosen and why, for the user
+
+
+def side_by_side(rungs: list[str], workers: dict, size: "ModelSize | None", backends, cores: int,
+                 user_workers: str = "auto") -> tuple[SideBySide | None, str | None]:
+    """(the plan, None) when `rungs` (two or more, to run now) go side by side; else (None, why not, or
+    None where nothing needs saying). `workers`: the layer and graph rungs' counts as chosen for them
+    alone (worker_count); the unit rung takes the cores they leave, at least MIN_UNIT_WORKERS."""
+    from kernels import backend_needs_device
+
+    switch = os.environ.get(SIDE_BY_SIDE, "").strip().lower()
+    if switch not in ("", "on", "off", "1", "0"):
+        raise ValueError(f"{SIDE_BY_SIDE}={switch!r}: expected on or off (unset: where a device backend runs and "
+                         "the rungs fit)")
+    if len(rungs) < 2 or switch in ("off", "0"):
+        return None, None
+    forced = switch in ("on", "1")
+    device = [b for b in backends if backend_needs_device(b)]
+    if not forced and not device:
+        return None, None  # a host backend's workers already fill the cores
+    plan = {r: str(workers[r]) for r in rungs if r != "unit"}
+    if "unit" in rungs:
+        others = sum(int(w) for w in plan.values() if w.isdigit())
+        plan["unit"] = user_workers if user_workers != "auto" else str(max(MIN_UNIT_WORKERS, cores - others))
+    model = "the default model" if size is None else f"a model of {size.params / 1e9:.2f} B parameters"
+    if not forced:
+        if size is not None and size.params >= SIDE_BY_SIDE_BELOW:
+            return None, None
+        gpu_need, host_need = 0.0, 0.0
+        for rung, n in plan.items():
+            n = int(n) if n.isdigit() else cores
+            need = UNIT_WORKER if rung == "unit" or size is None else worker_need(size, rung, device[0], references_on_gpu())
+            gpu_need, host_need = gpu_need + n * need.gpu, host_need + n * need.host
+        gpu, host = gpu_total(device[0]), host_available()
+        short = [f"{what}: {need / GB:.0f} GB of {have / GB:.0f}" for what, need, have in
+                 (("GPU", gpu_need, gpu), ("host", host_need, host)) if have and need > USABLE * have]
+        if short:
+            return None, (f"nanoqwen: rungs {', '.join(rungs)} one after another: side by side they would not fit "
+                          f"{model} ({'; '.join(short)})")
+    if all(plan[r] == "0" for r in rungs):
+        order = f"{', '.join(rungs[:-1])} and {rungs[-1]} each in one process"
+    else:
+        order = ", ".join(f"{r} on {plan[r]} worker{'s' if plan[r] != '1' else ''}" for r in rungs)
+    why = f"{SIDE_BY_SIDE}=on" if forced else f"{model} on {device[0]}: they fit the GPU's and the host's memory together"
+    return SideBySide(plan, f"nanoqwen: rungs side by side ({order}; {why}); each is judged as one after another, and "
+                            f"{SIDE_BY_SIDE}=off runs them so"), None

@@ -96,3 +96,47 @@ def test_a_bad_nanoqwen_spread_below_is_one_line_and_exit_2_before_any_rung(tmp_
                        env=child_env("numpy", NANOQWEN_SPREAD_BELOW="lots"))
     assert r.returncode == 2 and "[1/1] rung" not in r.stdout, r.stdout[-1500:] + r.stderr[-1500:]
     assert r.stderr.strip().count("\n") == 0 and "NANOQWEN_SPREAD_BELOW is 'lots'" in r.stderr, r.stderr
+
+
+# --- the rungs side by side (workers.side_by_side) ---
+
+
+@pytest.fixture
+def h200(monkeypatch):
+    """One H200 and its host, as the sizing reads them."""
+    monkeypatch.delenv("NANOQWEN_SIDE_BY_SIDE", raising=False)
+    monkeypatch.setattr(workers, "gpu_total", lambda backend: 143 * GB)
+    monkeypatch.setattr(workers, "host_available", lambda: 120 * GB)
+    monkeypatch.setattr(workers, "references_on_gpu", lambda: True)
+
+
+def test_a_small_model_on_a_gpu_runs_its_rungs_side_by_side_and_unit_takes_the_cores_left(h200):
+    plan, why = workers.side_by_side(["unit", "layer", "graph"], {"layer": "4", "graph": "4"},
+                                     size_of("qwen2.5-0.5b"), ["numpy", "cuda"], cores=16)
+    assert why is None and plan.workers == {"unit": "8", "layer": "4", "graph": "4"}
+    assert plan.line.startswith("nanoqwen: rungs side by side (unit on 8 workers, layer on 4 workers, graph on 4 workers; "
+                                "a model of 0.")
+
+
+def test_a_7b_model_runs_its_rungs_one_after_another(h200):
+    """Its graph rung alone fills the GPU (three workers of 37 GB)."""
+    assert workers.side_by_side(["unit", "layer", "graph"], {"layer": "4", "graph": "3"}, size_of("qwen2.5-coder-7b"),
+                                ["cuda"], cores=16) == (None, None)
+
+
+def test_rungs_that_would_not_fit_together_run_one_after_another_and_say_so(h200, monkeypatch):
+    monkeypatch.setattr(workers, "gpu_total", lambda backend: 16 * GB)
+    plan, why = workers.side_by_side(["layer", "graph"], {"layer": "4", "graph": "4"}, size_of("qwen2.5-0.5b"),
+                                     ["cuda"], cores=16)
+    assert plan is None and why.startswith("nanoqwen: rungs layer, graph one after another: side by side they would "
+                                           "not fit a model of 0.") and "GPU: " in why and "of 16" in why
+
+
+def test_a_host_backend_runs_its_rungs_one_after_another_unless_told(h200, monkeypatch):
+    """On the host, the rungs' workers already fill the cores."""
+    args = (["unit", "graph"], {"graph": "2"}, None, ["numpy"], 2)
+    assert workers.side_by_side(*args) == (None, None)
+    monkeypatch.setenv("NANOQWEN_SIDE_BY_SIDE", "on")
+    assert workers.side_by_side(*args)[0].workers == {"unit": "2", "graph": "2"}
+    monkeypatch.setenv("NANOQWEN_SIDE_BY_SIDE", "off")
+    assert workers.side_by_side(["unit", "graph"], {"graph": "4"}, None, ["cuda"], 16) == (None, None)
