@@ -364,6 +364,9 @@ class _signals_as_exceptions:
         return False
 
 
+_STDERR = threading.Lock()  # one writer at a time on stderr, whichever rung (side by side) it comes from
+
+
 class RungWatch:
     """The rung's progress folder, looked at every WATCH_SECONDS: the new progress lines (`PID.line`) go to
     stderr; a change of any file (a line, a case started or ended, tests finished: ladder/plugin/liveness.py) is
@@ -371,7 +374,7 @@ class RungWatch:
 
     def __init__(self, folder: Path, rung: str, stall: float):
         self.folder, self.rung, self.stall = folder, rung, stall
-        self.lock = threading.Lock()  # stderr: the rung's own, passed through, and the lines printed here
+        self.lock = _STDERR  # stderr: the rungs' own, passed through, and the lines printed here
         self.mid_line = False  # the rung's stderr ended without a newline (a line printed here starts fresh)
         self.seen: dict[str, tuple] = {}  # file name -> (mtime, size, inode, text) at the last look
         self.last: str | None = None  # the latest sign of life's text
