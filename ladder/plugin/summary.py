@@ -37,7 +37,7 @@ import pytest
 
 from kernels import OPS
 from ladder.judges.compare import case_id  # noqa: F401  (the launch map's and the report's case ids)
-from ladder.plugin.liveness import TESTS, beat
+from ladder.plugin.liveness import LINE, TESTS, beat
 
 SLOWEST = 15  # the slowest tests over all rungs, in report.json and report.md
 RUNGS = ("unit", "layer", "graph")  # the ladder's rungs: `nanoqwen ladder` runs these (ladder/run/runner.py)
@@ -232,6 +232,10 @@ def failure_record(report, rung: str) -> dict:
 _CONFIG: dict = {}  # the session's config, for hooks that are not handed it
 BEAT_SECONDS = 1.0  # at most one sign of life a second from the controller (ladder/plugin/liveness.py)
 PROGRESS_SECONDS = float(os.environ.get("NANOQWEN_PROGRESS_SECONDS", "60"))  # between progress lines
+# "kept": `nanoqwen ladder` keeps this rung's stdout to print it later (a rung run beside the one before it:
+# ladder/run/runner.py run_side_by_side), so the progress line also goes to the ladder's progress folder,
+# which the ladder prints on stderr as it comes
+RUNG_OUTPUT = "NANOQWEN_RUNG_OUTPUT"
 
 
 def pytest_runtest_logreport(report):
@@ -250,6 +254,8 @@ def pytest_runtest_logreport(report):
         if line and tr is not None:
             tr.write_line("")
             tr.write_line(line)
+        if line and os.environ.get(RUNG_OUTPUT) == "kept":  # nobody sees this rung's stdout until it ends
+            beat(LINE, f"rung {rung}: {line}")
 
 
 def pytest_collection_finish(session):

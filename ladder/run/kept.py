@@ -40,7 +40,7 @@ SOURCE_PACKAGES = ("engine", "kernels", "ladder", "reference", "fixtures")
 # variables that say where files go or how often progress is printed: no result depends on them
 NOT_IN_KEY = {"NANOQWEN_CACHE", "NANOQWEN_STALL_SECONDS", "NANOQWEN_PROGRESS_DIR", "NANOQWEN_PROGRESS_SECONDS",
               "NANOQWEN_PROGRESS_EVERY", "NANOQWEN_WORKER_LOG", "NANOQWEN_CONVERT_THREADS", "NANOQWEN_SIDE_BY_SIDE",
-              SWITCH}
+              "NANOQWEN_RUNG_OUTPUT", SWITCH}
 
 
 def enabled(args) -> bool:

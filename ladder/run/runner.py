@@ -772,8 +772,9 @@ def run_side_by_side(commands: list[tuple[str, list[str]]], env: dict, out: Path
                 if i:
                     files[rung] = out / f".stdout-{rung}.txt"
                     stdout = open(files[rung], "wb")
-                try:
-                    runs[rung] = (RungRun(cmd, env, rung, out, stdout=stdout), time.perf_counter())
+                try:  # a kept stdout: the rung's progress lines go to stderr too (ladder/plugin/summary.py)
+                    runs[rung] = (RungRun(cmd, {**env, "NANOQWEN_RUNG_OUTPUT": "kept"} if i else env, rung, out,
+                                          stdout=stdout), time.perf_counter())
                 finally:
                     if stdout is not None:
                         stdout.close()  # the rung's pytest holds its own descriptor

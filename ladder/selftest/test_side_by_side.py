@@ -64,8 +64,11 @@ def test_rungs_side_by_side_are_reported_in_ladder_order(tmp_path):
         "unit": "(MEET / 'unit').touch()\n" + wait_for("graph") + "print('UNIT OUTPUT')",
         "layer": "print('LAYER OUTPUT')",
         "graph": "(MEET / 'graph').touch()\n" + wait_for("unit") + "print('GRAPH OUTPUT')",
-    }, extra=("-s",))
+    }, extra=("-s",), NANOQWEN_PROGRESS_SECONDS="0")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # a later rung's stdout is printed when its turn comes; its progress lines reach the user as they come
+    assert "rung graph: [nanoqwen] 1 of 1 tests in " in proc.stderr, proc.stderr[-3000:]
+    assert "rung unit: [nanoqwen]" not in proc.stderr  # the first rung's own stdout is live
     out = proc.stdout
     assert out.startswith("nanoqwen: rungs side by side (unit, layer and graph each in one process; "
                           "NANOQWEN_SIDE_BY_SIDE=on)"), out[:500]
