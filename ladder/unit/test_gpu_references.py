@@ -28,8 +28,9 @@ import pytest
 # The case is the unit rung's longest on a GPU machine (the seeded 0.5B model's host simulation and plain
 # forward, 24 layers each): 35 s on one thread, where the rung's 16 workers each get cores / 16 threads of
 # BLAS and torch (ladder/plugin _share_cores). It is collected first (`long`) and runs while the other
-# workers share out the short cases, so its host parts take HOST_SHARE of the cores: a few threads more
-# than the cores for a while, against a critical path of one thread.
+# workers share out the short cases, so its host parts take cores / HOST_SHARE threads (4 on 16 cores): a
+# few threads more than the cores for a while, against a critical path of one thread (28.6 s on one H200,
+# the rungs side by side).
 HOST_SHARE = 4
 
 
