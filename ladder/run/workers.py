@@ -171,7 +171,7 @@ def size_workers(rung: str, chosen: int, model_files, backends, explicit: bool =
 
 SIDE_BY_SIDE = "NANOQWEN_SIDE_BY_SIDE"  # on: side by side wherever they fit; off: one after another; unset: auto
 SIDE_BY_SIDE_BELOW = 2_000_000_000  # parameters: a larger model's rungs run one after another
-UNIT_WORKER = Need(gpu=2.0 * GB, host=3.0 * GB)  # the 7B-shape linears' weights and float64 readings, the 0.5B references
+UNIT_WORKER = Need(gpu=3.0 * GB, host=3.0 * GB)  # about 2.3 GB of GPU a worker, from the 0.5B first run's peaks by phase
 MIN_UNIT_WORKERS = 2
 
 
