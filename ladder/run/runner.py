@@ -631,6 +631,8 @@ def _ladder(args, resources) -> int:
         else:
             to_run.append((rung, parts))
 
+    kept_keys = dict(to_run)
+
     def conclude_rung(rung: str, code: int, error_line: str | None, seconds: float) -> bool:
         """The rung's result judged, and kept where green; True when the later rungs must not run (a broken
         rung, or a red one without --keep-going)."""
@@ -638,7 +640,7 @@ def _ladder(args, resources) -> int:
         results[rung], broke = judge_rung(rung, code, error_line, seconds, out, args)
         code = results[rung]["exit"]
         ran = sum(results[rung].get("rungs", {}).get(rung, {}).values())
-        parts = dict(to_run)[rung]
+        parts = kept_keys[rung]
         if parts and code == 0 and ran > 0:
             kept_results.store(parts, out, rung, seconds)
         if broke:  # the later rungs would break the same way; not even --keep-going runs them

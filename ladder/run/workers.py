@@ -206,10 +206,10 @@ def side_by_side(rungs: list[str], workers: dict, size: "ModelSize | None", back
     if not forced:
         if size is not None and size.params >= SIDE_BY_SIDE_BELOW:
             return None, None
-        gpu_need, host_need = 0.0, 0.0
+        gpu_need, host_need, refs_gpu = 0.0, 0.0, references_on_gpu()
         for rung, n in plan.items():
             n = int(n) if n.isdigit() else cores
-            need = UNIT_WORKER if rung == "unit" or size is None else worker_need(size, rung, device[0], references_on_gpu())
+            need = UNIT_WORKER if rung == "unit" or size is None else worker_need(size, rung, device[0], refs_gpu)
             gpu_need, host_need = gpu_need + n * need.gpu, host_need + n * need.host
         gpu, host = gpu_total(device[0]), host_available()
         short = [f"{what}: {need / GB:.0f} GB of {have / GB:.0f}" for what, need, have in

@@ -35,17 +35,17 @@ HOST_SHARE = 4
 
 
 @contextlib.contextmanager
-def _host_threads(torch, n: int):
+def _host_threads(n: int):
     """torch's intra-op threads and NumPy's OpenBLAS (reference/model.py's matmuls) at `n`, restored after."""
     from kernels.numpy.blas import blas_threads
+    from ladder.graph.references import torch_threads
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
+    before = torch_threads(n)
     try:
         with blas_threads(n):
             yield
     finally:
-        torch.set_num_threads(before)
+        torch_threads(before)
 
 
 def _gpu():
@@ -72,8 +72,8 @@ def _model(name: str):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["default", "seeded-0.5b"])
 def test_the_gpu_references_agree_with_the_host_references_within_the_floor(name):
-    torch = _gpu()
-    with _host_threads(torch, max(1, (os.cpu_count() or 1) // HOST_SHARE)):
+    _gpu()
+    with _host_threads(max(1, (os.cpu_count() or 1) // HOST_SHARE)):
         _agree_within_the_floor(name)
 
 
