@@ -18,8 +18,10 @@ just before each replay. The kernels read the position and the page table from t
 graph serves every position and page boundary.
 
 The graph is captured again when what it baked in changes: the ops bound on the backend (the ladder
-wraps one to plant a fault or capture activations; a wrapper is a different object), the KV cache
-(`Model.use_cache`) or the layer weights. The eager warm-up of `capture` runs on the same inputs as the
+wraps one to plant a fault or capture activations; a wrapper is a different object), the backend's
+settings (`launch_settings`: a GEMV variant, the attention split, pdl), the KV cache (`Model.use_cache`)
+or the layer weights. `model.enable_cuda_graph(False)` keeps the graph for the next enable, so turning it
+off and on costs no capture; the key decides whether a replay may reuse it. The eager warm-up of `capture` runs on the same inputs as the
 captured run (idempotent: it writes the same K/V slot and logits). Turn the graph off with
 `model.enable_cuda_graph(False)` for a wrapper that cannot be captured.
 
@@ -97,7 +99,7 @@ class DecodeGraph:
     def _bindings(self):
         m = self.model
         be, cache = m.backend, m.cache
-        return (tuple(getattr(be, name) for name in DECODE_OPS),
+        return (tuple(getattr(be, name) for name in DECODE_OPS), be.launch_settings(),
                 id(cache), tuple(a.data.ptr for a in (*cache.k, *cache.v)),
                 tuple(id(w) for w in m.layers), id(m.embed_tokens), id(m.norm), id(m.lm_head))
 

@@ -71,7 +71,8 @@ class Model:
         self._final_h = be.empty((1, c.hidden_size), np.float16)
         self._logits = be.empty((c.vocab_size,), np.float32)
         self._next = be.empty((1,), np.int32)
-        self._graph = None  # engine/cuda_graph.DecodeGraph once enable_cuda_graph() is called
+        self._graph = None  # engine/cuda_graph.DecodeGraph while enable_cuda_graph() is on
+        self._kept_graph = None  # the DecodeGraph, kept while the graph is off
         self._closed = False
 
     # --- the forward pass ----------------------------------------------------------------------
@@ -156,7 +157,7 @@ class Model:
         if self._closed:
             return
         self._closed = True
-        self._graph = None
+        self._graph = self._kept_graph = None
         self.layers = []
         self.embed_tokens = self.norm = self.lm_head = None
         self.cache = self._decode_ws = self._final_h = self._logits = self._next = None
@@ -172,12 +173,16 @@ class Model:
         """Run step/decode_step, and generate's decode loop, as one captured graph per token (a backend with
         supports_graphs; engine/cuda_graph.py)."""
         if not enabled:
-            self._graph = None
+            self._graph = None  # eager from here; the captured graph stays in _kept_graph for the next enable
             return
         self._check_open()
-        from engine.cuda_graph import DecodeGraph
+        if self._kept_graph is None:
+            from engine.cuda_graph import DecodeGraph
 
-        self._graph = DecodeGraph(self)
+            self._kept_graph = DecodeGraph(self)
+        # The same graph again: turning it off and on (the graph rung does per prompt, eager then graph)
+        # costs no capture. Its key (DecodeGraph._bindings) captures again whatever changed meanwhile.
+        self._graph = self._kept_graph
 
     def generate(self, prompt_ids, max_new_tokens: int, stop_ids=(), timings: Timings | None = None) -> list[int]:
         """Greedy decoding: the new token ids (stopping after a stop id, which is included)."""

@@ -226,6 +226,19 @@ class CudaBackend(Backend):
             value = word in ("on", "true", "1")
         loader.PDL["on"] = bool(value)
 
+    def launch_settings(self) -> tuple:
+        """Every setting that picks a kernel or its geometry, frozen: pdl and the public plain-data
+        attributes (gemv_config, attention_variant, pages_per_split, ...; the ops, callables, are not
+        among them). A captured decode graph keys on it (engine/cuda_graph.py), so a setting changed while
+        a model keeps its graph (the bench's --before-set, a variant test) captures again rather than
+        replay the kernels of before. Read from the attributes themselves, so a new setting is covered."""
+        def frozen(v):
+            return tuple(sorted((k, frozen(x)) for k, x in v.items())) if isinstance(v, dict) else v
+
+        plain = (str, int, float, bool, type(None), dict)
+        return (("pdl", self.pdl), *sorted((k, frozen(v)) for k, v in vars(self).items()
+                                           if not k.startswith("_") and isinstance(v, plain)))
+
     def __init__(self, device: int | None = None, pages_per_split: int | None = None):
         try:
             n = cp.cuda.runtime.getDeviceCount()

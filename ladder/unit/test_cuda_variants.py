@@ -18,7 +18,8 @@
   (the warp-per-page one and paged_attention_f16) with fixed and dynamic split sizes (one page per
   split: splits past the length are empty) and on every page edge, decode and prefill; head layouts
   the warp kernel does not hold going to paged_attention_f16; rmsnorm reading rows
-  of a larger buffer, and the captured decode graph following a wrapped op and its unwrapping.
+  of a larger buffer; the captured decode graph following a wrapped op and its unwrapping, kept across
+  turning it off and on, and captured again for a changed backend setting.
 
 The comparisons are the unit rung's op checks (ladder/checks/ops.py): `check_*` against `reference.ops`
 with TOL.
@@ -315,3 +316,38 @@ def test_captured_decode_follows_a_wrapped_op_and_its_unwrapping(backend, model_
     assert model._graph.captures > captures, "wrapping an op did not capture the decode step again"
     assert not np.array_equal(faulty, base), "the replay ignored the wrapped rmsnorm"
     assert np.array_equal(again.view(np.uint32), base.view(np.uint32)), "unwrapping did not restore the logits bit for bit"
+
+
+@pytest.mark.long
+def test_a_kept_decode_graph_replays_after_off_and_on_and_is_captured_again_for_a_changed_setting(backend, model_path):
+    """`enable_cuda_graph(False)` keeps the captured decode step: turned on again it replays the same graph,
+    with eager's bits. A changed backend setting (another GEMV variant of qkv_proj) is in the graph's key:
+    the next step captures again, and its logits are the new variant's eager ones."""
+    if not backend.supports_graphs:
+        pytest.skip("the backend does not capture graphs")
+    prompt = list(range(3, 16))
+    with engine.load(model_path, backend=backend) as model:
+        def step(graph: bool):
+            model.enable_cuda_graph(graph)
+            seq = model.new_sequence()
+            model.prefill(seq, prompt)
+            logits = model.decode_step(seq, 7)
+            seq.free()
+            return logits.view(np.uint32)
+
+        base = step(graph=True)
+        kept, captures = model._graph, model._graph.captures
+        eager = step(graph=False)
+        again = step(graph=True)
+        assert model._graph is kept and kept.captures == captures, "turning the graph off and on captured it again"
+        assert np.array_equal(again, base) and np.array_equal(eager, base), "the kept graph's replay differs from eager"
+        table = backend.gemv_config[model.quant]
+        shipped = table["qkv_proj"]
+        table["qkv_proj"] = next(v for v in backend.linears[model.quant].variants if v != shipped)
+        try:
+            changed = step(graph=True)
+            assert kept.captures == captures + 1, f"gemv_config {table['qkv_proj']!r} replayed the graph of {shipped!r}"
+            assert np.array_equal(changed, step(graph=False)), "the graph captured for the new variant differs from its eager run"
+        finally:
+            table["qkv_proj"] = shipped
+        assert np.array_equal(step(graph=True), base) and kept.captures == captures + 2
