@@ -27,6 +27,8 @@ to the ladder JSON.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -149,7 +151,12 @@ def test_greedy_tokens_match_the_hf_simulation(request, model, prompts, referenc
     reports = []
     for mode, logits in logits_by_mode.items():
         name = model.backend.name + ("" if mode == "eager" else "+graph") + f"[{model.quant}]"
-        result = compare_greedy(prompt.id, ref, logits, backend=name, bounds=bounds)
+        if mode == "graph" and np.array_equal(logits, logits_by_mode["eager"], equal_nan=True):
+            # the same bits judge the same: the eager verdict under the graph's name (a 152k vocabulary's
+            # judgement is 36 ms a prompt on the 0.5B model, an eighth of its case)
+            result = dataclasses.replace(reports[0], backend=name)
+        else:
+            result = compare_greedy(prompt.id, ref, logits, backend=name, bounds=bounds)
         record_property("nanoqwen_graph", result.record())
         reports.append(result)
     bad = [r for r in reports if not r.passed]
