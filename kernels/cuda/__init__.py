@@ -32,6 +32,7 @@ constructor refuses such a device with `BackendUnavailableError` before it compi
 from __future__ import annotations
 
 import importlib
+import math
 import os
 import re
 
@@ -266,6 +267,7 @@ class CudaBackend(Backend):
         self.gemv_max_tokens = 1  # T above this takes the launcher's matmul_f32 (prefill) path
         self._k = loader.kernels()
         self._scratch: dict[str, cp.ndarray] = {}
+        self._scratch_views: dict[tuple, tuple] = {}  # (key, shape, dtype) -> (its buffer, the view)
         self._retired: list[cp.ndarray] = []  # outgrown scratch stays alive: a captured graph may use it
         self._inv_freq: dict[tuple[float, int], cp.ndarray] = {}
 
@@ -296,15 +298,26 @@ class CudaBackend(Backend):
         cp.get_default_pinned_memory_pool().free_all_blocks()
 
     def scratch(self, key: str, shape, dtype) -> cp.ndarray:
-        """A reusable buffer of at least `shape`; never freed while the backend lives (graph safety)."""
-        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        """A reusable buffer of at least `shape`; never freed while the backend lives (graph safety).
+        The view of a (key, shape, dtype) asked for before is handed out again while its buffer is the
+        key's (slicing, viewing and reshaping cost three CuPy calls: decode attention asks three times a
+        layer)."""
+        shape = tuple(shape)
         buf = self._scratch.get(key)
+        seen = self._scratch_views.get((key, shape, dtype))
+        if seen is not None and seen[0] is buf:
+            return seen[1]
+        n = math.prod(shape) * np.dtype(dtype).itemsize
         if buf is None or buf.nbytes < n:
             if buf is not None:
                 self._retired.append(buf)
             buf = cp.empty(max(n, 256), dtype=np.uint8)
             self._scratch[key] = buf
-        return buf[:n].view(dtype).reshape(shape)
+        view = buf[:n].view(dtype).reshape(shape)
+        if len(self._scratch_views) >= 256:  # prefill shapes vary with the prompt's length
+            self._scratch_views.clear()
+        self._scratch_views[(key, shape, dtype)] = (buf, view)
+        return view
 
     def prepare_linear(self, fmt: str, tensors: dict, out_features: int, in_features: int) -> QuantizedWeight:
         lin = self.linears.get(fmt)

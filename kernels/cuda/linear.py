@@ -57,6 +57,10 @@ class GemvLinear:
         self.gemv_kernel = gemv_kernel
         self.variants = tuple(variants)
         self.default_config = dict(default_config)
+        # Per-launch work done once (the eager decode step calls gemv 96 times at 24 layers, on the host's
+        # clock): the tensor order of each weight shape, and each (op, variant)'s kernel and geometry.
+        self._arg_names: dict[tuple[int, int], tuple[str, ...]] = {}
+        self._launches: dict[tuple[str, str], tuple] = {}
 
     # --- weights --------------------------------------------------------------------------------
 
@@ -82,7 +86,11 @@ class GemvLinear:
         """Refuse stored values the kernels would misread (ValueError); most formats have none."""
 
     def weight_args(self, w) -> tuple:
-        return tuple(w[k] for k in self.specs(w.out_features, w.in_features))
+        shape = (w.out_features, w.in_features)
+        names = self._arg_names.get(shape)
+        if names is None:
+            names = self._arg_names[shape] = tuple(self.specs(*shape))
+        return tuple(w[k] for k in names)
 
     # --- decode ---------------------------------------------------------------------------------
 
@@ -90,12 +98,16 @@ class GemvLinear:
         if x.data.ptr % 16:
             raise ValueError("x: the GEMV kernels read activations in 16-byte loads; x is not 16-byte aligned")
         variant = backend.gemv_config[self.name][op]
-        if variant not in self.variants:
-            raise ValueError(f"gemv_config[{self.name!r}][{op!r}] = {variant!r} is not one of {self.variants}")
-        threads, per_block = catalog.variant_geometry(variant, op == "gate_up_silu")
-        grid = (-(-rows // per_block), x.shape[0])
-        kernel = loader.kernels()[catalog.gemv_kernel_name(self.gemv_kernel, op, variant)]
-        kernel(grid, (threads,), (x, *self.weight_args(w), *epilogue_args, i32(rows), i32(w.in_features)))
+        launch = self._launches.get((op, variant))
+        if launch is None:
+            if variant not in self.variants:
+                raise ValueError(f"gemv_config[{self.name!r}][{op!r}] = {variant!r} is not one of {self.variants}")
+            threads, per_block = catalog.variant_geometry(variant, op == "gate_up_silu")
+            kernel = loader.kernels()[catalog.gemv_kernel_name(self.gemv_kernel, op, variant)]
+            launch = self._launches[(op, variant)] = (kernel, threads, per_block)
+        kernel, threads, per_block = launch
+        kernel((-(-rows // per_block), x.shape[0]), (threads,),
+               (x, *self.weight_args(w), *epilogue_args, i32(rows), i32(w.in_features)))
 
     # --- prefill --------------------------------------------------------------------------------
 
