@@ -87,8 +87,10 @@ class Resources:
         self.peak_gpu = self.peak_host = None
         self.phase = "start"  # what the run is doing: "convert", then each rung (set by the runner)
         self.by_phase: dict[str, list] = {}  # phase -> [peak GPU, peak host, peak of the largest GPU process]
-        self.base_gpu = gpu_used()  # in use before the run (another process's): reported beside the peak
-        self.base_host = host_used()
+        # in use before the run (another process's): reported beside the peak. Read by the sampler's first
+        # sample, not here: nvidia-smi takes its time, and the run need not wait for it to start.
+        self.base_gpu = self.base_host = None
+        self._first = True
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
@@ -104,6 +106,8 @@ class Resources:
     def _sample(self) -> None:
         while True:
             g, h = gpu_used(), host_used()
+            if self._first:
+                self.base_gpu, self.base_host, self._first = g, h, False
             one = gpu_largest_process() if g else None  # no GPU memory in use: no process to ask about
             peaks = self.by_phase.setdefault(self.phase, [None, None, None])
             if g is not None:

@@ -26,6 +26,8 @@ def test_peaks_are_kept_overall_and_per_phase(tmp_path, monkeypatch):
     r.stop()
     rec = r.record([str(tmp_path / "converted" / "m.nanoqwen")])
     assert rec["peak_gpu_memory_gb"] == 9 and rec["peak_host_memory_gb"] == 2
+    # what was in use before the run: the first sample, taken on the sampler's thread (nvidia-smi is slow)
+    assert rec["gpu_memory_before_gb"] == 1 and rec["host_memory_before_gb"] == 2
     assert set(rec["peaks_by_phase_gb"]) <= {"start", "convert", "graph"} and "convert" in rec["peaks_by_phase_gb"]
     assert rec["cache_gb"]["converted"] == round(1 / 1024, 2) and rec["model_files_gb"] == round(1 / 1024, 2)
     line = describe(rec)
