@@ -302,6 +302,8 @@ def _header(report: dict) -> list[str]:
         from ladder.run.resources import describe
 
         lines.append(f"- machine: {describe(m['resources'])}")
+    if m.get("seconds") is not None:
+        lines.append(f"- wall time: {m['seconds']} s from the start to the report")
     if m.get("model_seconds") is not None:
         lines.append(f"- model resolved in {m['model_seconds']} s (conversions included, where not cached)")
     if m.get("side_by_side"):

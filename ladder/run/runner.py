@@ -686,6 +686,7 @@ def _ladder(args, resources) -> int:
             "plant_fault": args.plant_fault, "argv": sys.argv[1:], "shard": args.shard, "changed": args.changed,
             "model_files": model_files, "baseline": args.baseline, "resources": resources.record(model_files),
             "model_seconds": round(t_convert, 1),
+            "seconds": round(time.perf_counter() - args.started_at, 1),  # the whole run, up to its report
             "side_by_side": None if side_seconds is None else {"rungs": [r for r, _ in to_run], "workers": plan.workers,
                                                                "seconds": round(side_seconds, 1)},
             # the commit of the checkout the rungs imported (ROOT), the library versions, the GPU
@@ -699,7 +700,7 @@ def _ladder(args, resources) -> int:
         print(f"rungs: side by side in {side_seconds:.1f} s of wall time (one after another, their seconds add up "
               f"to {added:.1f} s)")
     print(f"model: resolved in {t_convert:.1f} s (conversions included); machine: {describe(meta['resources'])}")
-    print(f"ladder: {time.perf_counter() - args.started_at:.1f} s of wall time, from the start to the report")
+    print(f"ladder: {meta['seconds']:.1f} s of wall time, from the start to the report")
     print(f"report: {out}/report.md, report.json, junit-*.xml")
     if broke:  # last, where it is seen: a broken harness is not a red rung, whatever the report judged
         print(broke, file=sys.stderr)

@@ -73,11 +73,14 @@ def test_rungs_side_by_side_are_reported_in_ladder_order(tmp_path):
     assert out.startswith("nanoqwen: rungs side by side (unit, layer and graph each in one process; "
                           "NANOQWEN_SIDE_BY_SIDE=on)"), out[:500]
     marks = ["[1/3] rung unit\n", "UNIT OUTPUT", "[2/3] rung layer (ran beside the rungs before it)", "LAYER OUTPUT",
-             "[3/3] rung graph (ran beside the rungs before it)", "GRAPH OUTPUT", "rungs: side by side in "]
+             "[3/3] rung graph (ran beside the rungs before it)", "GRAPH OUTPUT", "rungs: side by side in ",
+             "\nladder: "]  # the whole run's wall time, last but one
     where = [out.find(m) for m in marks]
     assert all(w >= 0 for w in where) and where == sorted(where), (where, out[-3000:])
     assert list(rep["rungs"]) == ["unit", "layer", "graph"] and all(r["exit"] == 0 for r in rep["rungs"].values())
     assert rep["meta"]["side_by_side"]["rungs"] == ["unit", "layer", "graph"]
+    assert rep["meta"]["seconds"] >= rep["meta"]["side_by_side"]["seconds"]
+    assert f"ladder: {rep['meta']['seconds']:.1f} s of wall time, from the start to the report\n" in out
     assert leftovers(tmp_path) == [], leftovers(tmp_path)
 
 
