@@ -21,9 +21,9 @@ The graph is captured again when what it baked in changes: the ops bound on the 
 wraps one to plant a fault or capture activations; a wrapper is a different object), the backend's
 settings (`launch_settings`: a GEMV variant, the attention split, pdl), the KV cache (`Model.use_cache`)
 or the layer weights. `model.enable_cuda_graph(False)` keeps the graph for the next enable, so turning it
-off and on costs no capture; the key decides whether a replay may reuse it. The eager warm-up of `capture` runs on the same inputs as the
-captured run (idempotent: it writes the same K/V slot and logits). Turn the graph off with
-`model.enable_cuda_graph(False)` for a wrapper that cannot be captured.
+off and on costs no capture; the key decides whether a replay may reuse it. The eager warm-up of
+`capture` runs on the same inputs as the captured run (idempotent: it writes the same K/V slot and
+logits). Turn the graph off with `model.enable_cuda_graph(False)` for a wrapper that cannot be captured.
 
 Two ways to drive it:
 - `step(seq, ids)`: one token from the host, returns the device logits after a synchronize (what
