@@ -16,7 +16,8 @@
 - The Qwen2.5-Coder-7B shapes of the four ops (decode and a 64-token prefill); every prefill attention
   kernel (tensor cores, warp, block) at its tile and page edges; both decode attention kernels
   (the warp-per-page one and paged_attention_f16) with fixed and dynamic split sizes (one page per
-  split: splits past the length are empty) and on every page edge, decode and prefill; head layouts
+  split: splits past the length are empty; more used pages than splits) and on every page edge, decode
+  and prefill; head layouts
   the warp kernel does not hold going to paged_attention_f16; rmsnorm reading rows
   of a larger buffer; the captured decode graph following a wrapped op and its unwrapping, kept across
   turning it off and on, and captured again for a changed backend setting.
@@ -231,6 +232,18 @@ def test_attention_decode_with_fixed_split_sizes(backend, variant, pages_per_spl
     with _attention_setting(backend, pages_per_split=pages_per_split, attention_variant=variant):
         for L, nkv, ratio, d in ((33, 2, 1, 64), (33, 2, 7, 128), (600, 4, 7, 128), (1000, 1, 8, 64)):
             case = PagedCase.build(seed=L, L=L, T=1, nq=nkv * ratio, nkv=nkv, d=d, layout="shuffled")
+            check_attention(backend, "attention_decode", case)
+
+
+@pytest.mark.parametrize("variant", ATTENTION_VARIANTS)
+def test_attention_decode_spreads_more_pages_than_splits(backend, variant):
+    """The dynamic spread where the used pages outnumber the splits, as on a GPU with few SMs: att_blocks 4
+    makes one to four splits per KV head, so a split spans many pages and the last one fewer (3 pages over
+    2 splits: 2 and 1). On an H200 the dynamic spread gives the block kernel a split per page, so without
+    this case a wrong span size went unseen (the nightly's fixed sample, seed 0)."""
+    with _attention_setting(backend, pages_per_split=None, attention_variant=variant, att_blocks=4):
+        for L, nkv, ratio, d in ((33, 2, 1, 64), (250, 2, 3, 64), (600, 4, 7, 128), (1000, 1, 8, 64)):
+            case = PagedCase.build(seed=L + 7, L=L, T=1, nq=nkv * ratio, nkv=nkv, d=d, layout="shuffled")
             check_attention(backend, "attention_decode", case)
 
 
