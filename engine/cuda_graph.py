@@ -25,7 +25,7 @@ off and on costs no capture; the key decides whether a replay may reuse it. The 
 `capture` runs on the same inputs as the captured run (idempotent: it writes the same K/V slot and
 logits). Turn the graph off with `model.enable_cuda_graph(False)` for a wrapper that cannot be captured.
 
-Two ways to drive it:
+Three ways to drive it:
 - `step(seq, ids)`: one token from the host, returns the device logits after a synchronize (what
   `Model.step` uses on this path; a caller that reads the logits copies them to the host).
 - `tokens(seq, first_id, n)`: the token source `Model.generate`'s loop reads on this path (a generator).
@@ -35,6 +35,9 @@ Two ways to drive it:
   step i + 1 is queued, so the GPU always has the next step waiting; logits never leave the device.
   A consumer that stops early (a stop token) leaves one wasted step queued, whose K/V slot lies past
   the sequence's length; closing the generator waits for it and sets the sequence's length.
+- `forced(seq, fed, out)`: `Model.forced_logits`' steps (teacher forcing). The given tokens go up once;
+  per token: `decode_advance` from them, a replay, and a device copy of the logits into a row of `out`,
+  all queued; one synchronize at the end.
 """
 
 from __future__ import annotations
@@ -130,6 +133,24 @@ class DecodeGraph:
         if self.graph is None or key != self._key:
             self._capture()
             self._key = key
+
+    def forced(self, seq, fed: np.ndarray, out) -> None:
+        """Model.forced_logits' steps on this graph: out[1 + i] <- the logits after fed[i], at position
+        seq.length + i, for every i; the pages are reserved already. One input copy and (re)capture, then
+        per token `decode_advance` (fed[i] becomes the input, the position moves on), a replay and a device
+        copy of the logits, all queued on the graph's stream; one synchronize at the end."""
+        cp, m = self._cp, self.model
+        ws = m._decode_ws
+        with self.stream:
+            self._prepare(seq, fed[:1])
+            fed_dev = cp.asarray(fed)
+            for i in range(len(fed)):
+                if i:
+                    m.backend.decode_advance(fed_dev[i:i + 1], ws.ids, ws.positions)
+                self.graph.launch()
+                out[i + 1] = m._logits  # queued after the replay, before the next overwrites _logits
+            self.stream.synchronize()
+        seq.length += len(fed)
 
     def tokens(self, seq, first_id: int, n: int, events: list | None = None):
         """Yield the tokens of up to n decode steps from token first_id at position seq.length.

@@ -9,11 +9,13 @@ A step-by-step API serves the ladder (teacher forcing, activation capture):
     logits = model.prefill(seq, prompt_ids)       # fp32 [V], the last prompt position's logits
     logits = model.decode_step(seq, token_id)     # one token, fixed buffers (capturable)
     seq.free()
+    rows = model.forced_logits(prompt_ids, tokens) # fp32 [len(tokens), V]: prompt, then tokens[:-1] fed
 
 One decode step, two layers: `forward_step(ws, page_table, T)` is the device work (embed, blocks,
 final norm, lm_head), the function the eager path runs and engine/cuda_graph.py captures; `step(seq,
 token)` runs one token (eagerly or as the captured graph) and leaves the logits on the device;
-`decode_step` is `step` plus the host copy, for callers that read the logits. `generate` is one loop
+`decode_step` is `step` plus the host copy, for callers that read the logits; `forced_logits` runs a
+prompt and then given tokens (teacher forcing) and reads every step's logits back once. `generate` is one loop
 over a token source: eager steps with an on-device argmax, or the graph's on-device loop
 (`DecodeGraph.tokens`); logits never reach the host there.
 
@@ -146,6 +148,50 @@ class Model:
     def decode_step(self, seq: Sequence, token_id: int) -> np.ndarray:
         """One token through the model at position seq.length; returns fp32 logits (host copy)."""
         return self.backend.to_numpy(self.step(seq, token_id)).copy()
+
+    def forced_logits(self, prompt_ids, tokens) -> np.ndarray:
+        """Teacher forcing: the fp32 logits [len(tokens), V] at each new position, after the prompt and after
+        each of tokens[:-1] fed in turn (whatever the model would have picked), on a sequence of its own.
+
+        The same device work as `prefill` and then `decode_step` per token (eager, or the captured graph
+        once enable_cuda_graph() is on), and the same logits bit for bit; what differs is the traffic. Each
+        step's inputs move on the device (the tokens go up once; `decode_advance` feeds the next one and
+        moves the position) and its logits are copied into a device buffer that is read back once, so the
+        host never waits for a step: it queues the next while the device runs the last. A judge of the
+        engine (the ladder's graph rung) feeds a reference's tokens this way."""
+        self._check_open()
+        ids = self.check_ids(prompt_ids)
+        fed = self.check_ids(tokens)[:-1]
+        limit = min(self.cache.capacity, self.config.max_position_embeddings)
+        if len(ids) + len(fed) > limit:
+            raise PromptTooLongError(f"prompt of {len(ids)} tokens plus {len(fed)} fed ones is longer than the "
+                                     f"cache's {limit} tokens")
+        be = self.backend
+        out = be.empty((len(fed) + 1, self.config.vocab_size), np.float32)
+        seq = self.new_sequence()
+        try:
+            out[0] = self._prefill(seq, ids)  # a device copy: the steps below overwrite _logits after it
+            if len(fed):
+                seq.reserve(len(fed))  # every page up front: the page table stays as it is during the steps
+                if self._graph is not None:
+                    self._graph.forced(seq, fed, out)
+                else:
+                    self._eager_forced(seq, fed, out)
+            return be.to_numpy(out)
+        finally:
+            seq.free()
+
+    def _eager_forced(self, seq: Sequence, fed: np.ndarray, out) -> None:
+        """forced_logits' eager steps: out[1 + i] <- the logits after fed[i], at position seq.length + i."""
+        be, ws = self.backend, self._decode_ws
+        fed_dev = be.asarray(fed)
+        # decode_advance adds one before each step: the first runs at seq.length
+        ws.positions[...] = be.asarray(np.array([seq.length - 1], dtype=np.int32))
+        for i in range(len(fed)):
+            be.decode_advance(fed_dev[i:i + 1], ws.ids, ws.positions)
+            self.forward_step(ws, seq.page_table, 1)
+            out[i + 1] = self._logits
+        seq.length += len(fed)
 
     def close(self) -> None:
         """Drop the weights, the KV cache, the workspaces and the captured graph, and hand the memory the

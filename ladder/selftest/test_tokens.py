@@ -97,33 +97,47 @@ def test_only_a_near_tie_passes():
     assert res.passed and len(res.near_ties) == 1 and res.exact == N - 1
 
 
+def test_top2_margin_is_the_gap_between_the_two_largest_logits():
+    """The margin every near-tie is judged by, against a partition of float64 copies, on rows with ties
+    for the maximum (0), -inf, NaN (NaN), 1-D and 2-D, float32 (the difference exact in float64) and float64."""
+    rng = np.random.default_rng(3)
+    rows = rng.standard_normal((6, 1000)).astype(np.float32)
+    rows[1, [5, 700]] = rows[1].max() + 1  # the maximum tied
+    rows[2, :] = -np.inf
+    rows[2, 9] = 1.0  # one finite value: its margin is infinite
+    rows[3, 17] = np.nan
+    rows[4, :] = 2.5  # every value tied
+    rows[5, 0] = np.float32(1e30)
+
+    def partitioned(a):
+        top = np.partition(np.asarray(a, dtype=np.float64), -2, axis=-1)[..., -2:]
+        with np.errstate(invalid="ignore"):  # rows[2, :2] is -inf alone
+            return top[..., 1] - top[..., 0]
+
+    for a in (rows, rows.astype(np.float64), rows[0], rows[:, :2]):
+        got = top2_margin(a)
+        assert got.dtype == np.float64 and got.shape == a.shape[:-1]
+        np.testing.assert_array_equal(got, partitioned(a))
+    assert top2_margin(rows)[1] == 0 and top2_margin(rows)[4] == 0 and np.isnan(top2_margin(rows)[3])
+    assert top2_margin(rows)[2] == np.inf
+
+
 class FakeModel:
-    """Records the tokens the engine side is fed; its logits prefer token (fed + 1) % V."""
+    """Records the tokens the engine side is fed; its logits prefer token (fed + 1) % V. The engine's own
+    teacher forcing (Model.forced_logits against its step-by-step run) is the unit rung's
+    test_forced_logits_are_the_step_by_step_logits."""
 
     def __init__(self):
         self.fed: list[int] = []
-        self.freed = 0
-
-    def new_sequence(self):
-        model = self
-
-        class Seq:
-            def free(self):
-                model.freed += 1
-        return Seq()
 
     def _logits(self, tok):
         row = np.zeros(V, np.float32)
         row[(tok + 1) % V] = 1
         return row
 
-    def prefill(self, seq, ids):
-        self.fed += list(ids)
-        return self._logits(ids[-1])
-
-    def decode_step(self, seq, tok):
-        self.fed.append(tok)
-        return self._logits(tok)
+    def forced_logits(self, prompt_ids, tokens):
+        self.fed += list(prompt_ids) + list(tokens[:-1])
+        return np.stack([self._logits(t) for t in [prompt_ids[-1], *tokens[:-1]]])
 
 
 def test_the_engine_is_teacher_forced_with_the_reference_tokens():
@@ -132,7 +146,6 @@ def test_the_engine_is_teacher_forced_with_the_reference_tokens():
     logits = engine_logits(m, [3, 8], ref_tokens)
     assert m.fed == [3, 8, 9, 4, 4, 20], "the engine must continue with the reference's tokens"
     assert logits.shape == (5, V) and list(np.argmax(logits, axis=1)) == [9, 10, 5, 5, 21]
-    assert m.freed == 1
 
 
 def test_nan_in_the_engine_logits_fails():

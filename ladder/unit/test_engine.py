@@ -86,6 +86,50 @@ def test_generate_is_greedy_and_stops(model):
     assert model.cache.allocator.num_free == model.cache.num_pages, "generate must free its pages"
 
 
+def _step_by_step(model, prompt, tokens) -> np.ndarray:
+    seq = model.new_sequence()
+    rows = [model.prefill(seq, prompt)]
+    rows += [model.decode_step(seq, int(t)) for t in tokens[:-1]]
+    seq.free()
+    return np.stack(rows)
+
+
+@pytest.mark.parametrize("prompt_len,n", [(1, 1), (14, 6), (16, 17), (31, 3)], ids=lambda v: str(v))
+def test_forced_logits_are_the_step_by_step_logits(model, prompt_len, n):
+    """Model.forced_logits (teacher forcing, inputs advanced on the device, logits read back once) computes
+    what prefill and then decode_step per fed token compute, bit for bit: across page edges (14 + 6 and
+    16 + 17 cross one or two), with tokens the model would not pick, eagerly and, where the backend
+    captures graphs, through the captured decode step; it frees its pages."""
+    rng = np.random.default_rng(prompt_len * 100 + n)
+    prompt = rng.integers(0, model.config.vocab_size, prompt_len).tolist()
+    tokens = rng.integers(0, model.config.vocab_size, n)
+    for graph in ([False, True] if model.backend.supports_graphs else [False]):
+        if model.backend.supports_graphs:
+            model.enable_cuda_graph(graph)
+        want = _step_by_step(model, prompt, tokens)
+        got = model.forced_logits(prompt, tokens)
+        assert got.shape == (n, model.config.vocab_size) and got.dtype == np.float32
+        assert np.array_equal(got, want, equal_nan=True), (
+            f"graph={graph}: forced logits differ from the step-by-step ones at (step, token) "
+            f"{np.argwhere(got != want)[0].tolist()}")
+        assert model.cache.allocator.num_free == model.cache.num_pages, "forced_logits must free its pages"
+
+
+def test_forced_logits_refuse_what_a_step_would(model_path, backend):
+    model = engine.load(model_path, backend=backend, cache_tokens=64)
+    with pytest.raises(TokenIdError):
+        model.forced_logits([5, 6], [])
+    with pytest.raises(TokenIdError, match="out of range"):
+        model.forced_logits([5, 6], [7, model.config.vocab_size, 8])
+    with pytest.raises(PromptTooLongError, match="64 tokens"):
+        model.forced_logits(list(range(60)), list(range(6)))
+    assert model.cache.allocator.num_free == model.cache.num_pages
+    assert model.forced_logits(list(range(60)), list(range(5))).shape == (5, model.config.vocab_size)  # full
+    model.close()
+    with pytest.raises(ModelClosedError):
+        model.forced_logits([5, 6], [7])
+
+
 @pytest.mark.parametrize("ids", [[0, 512], [-1], [3, 10**9]], ids=lambda ids: ",".join(map(str, ids)))
 def test_token_id_out_of_range_is_refused(model, ids):
     with pytest.raises(TokenIdError, match="out of range"):
