@@ -528,6 +528,36 @@ def cmd_ladder(args) -> int:
         return _ladder(args, resources)
     finally:
         resources.stop()
+        end_warm_up(getattr(args, "warming", None), stop=True)  # a refused model: nothing left compiling
+
+
+def start_warm_up(args) -> subprocess.Popen | None:
+    """The selected device backends' once-per-machine cost (CUDA: NVRTC on every module, into CuPy's
+    on-disk kernel cache), started in a process of its own while the parent converts and checks the model;
+    the rungs start once it has ended (`end_warm_up`). Each rung's controller still warms up (ladder/plugin)
+    and finds the cache full. Without this, on a fresh machine the three side-by-side controllers each ran
+    NVRTC on every module at once, after the conversion: the 0.5B-size model's first run on one H200 took
+    9 s longer than the same run with the cache full. None where no selected backend needs a device or can
+    run here (a CPU machine: nothing is started)."""
+    from kernels import backend_available, backend_names, backend_needs_device
+
+    selected = backend_names() if args.backend in (None, "all") else [args.backend]
+    names = [n for n in selected if backend_needs_device(n) and backend_available(n)[0]]
+    if not names:
+        return None
+    code = "from kernels import backend_class\n" + "".join(f"backend_class({n!r}).warm_up()\n" for n in names)
+    # its failure is not reported here: the controllers' own warm-up says it, in the rung's output
+    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=rung_environment(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def end_warm_up(proc: subprocess.Popen | None, stop: bool = False) -> None:
+    """Wait for the warm-up process to end (or, with `stop`, end it)."""
+    if proc is None or proc.poll() is not None:
+        return
+    if stop:
+        proc.kill()
+    proc.wait()
 
 
 def _ladder(args, resources) -> int:
@@ -570,6 +600,7 @@ def _ladder(args, resources) -> int:
     from ladder.run.resources import describe
 
     resources.phase = "convert"
+    args.warming = start_warm_up(args)  # beside the conversion and the checksums
     t_convert = time.perf_counter()
     if args.model:  # resolve once: an HF folder is converted here, once per format, not by each worker
         from engine.model import checked_config
@@ -663,6 +694,7 @@ def _ladder(args, resources) -> int:
                 return True
         return False
 
+    end_warm_up(args.warming)  # the rungs' controllers find the kernel cache full
     plan, workers = plan_side_by_side(args, [r for r, _ in to_run], model_files)
     side_seconds = None
     if plan is not None:
