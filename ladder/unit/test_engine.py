@@ -97,8 +97,9 @@ def _step_by_step(model, prompt, tokens) -> np.ndarray:
 @pytest.mark.parametrize("prompt_len,n", [(1, 1), (14, 6), (16, 17), (31, 3)], ids=lambda v: str(v))
 def test_forced_logits_are_the_step_by_step_logits(model, prompt_len, n):
     """Model.forced_logits (teacher forcing, inputs advanced on the device, logits read back once) computes
-    what prefill and then decode_step per fed token compute, bit for bit: across page edges (14 + 6 and
-    16 + 17 cross one or two), with tokens the model would not pick, eagerly and, where the backend
+    what prefill and then decode_step per fed token compute, bit for bit, at the page edges (a prompt of
+    14 with 5 fed tokens crosses position 16, 16 with 16 fed fills the second page, 31 with 2 fed crosses
+    32; one token feeds none), with tokens the model would not pick, eagerly and, where the backend
     captures graphs, through the captured decode step; it frees its pages."""
     rng = np.random.default_rng(prompt_len * 100 + n)
     prompt = rng.integers(0, model.config.vocab_size, prompt_len).tolist()
