@@ -226,6 +226,26 @@ def test_blas_threads_sets_the_count_inside_and_restores_it():
         assert blas.current() == before
 
 
+def _numpy_blas() -> str:
+    """The BLAS NumPy says it was built with ("scipy-openblas" for the wheels), or "" where it does not say."""
+    try:
+        return str(np.show_config(mode="dicts")["Build Dependencies"]["blas"]["name"]).lower()
+    except Exception:  # noqa: BLE001 - an older NumPy without the dicts mode, or another layout
+        return ""
+
+
+def test_blas_threads_finds_the_openblas_numpy_was_built_with():
+    """Where NumPy's own build says its BLAS is an OpenBLAS, `blas_threads` must find it: a lookup that
+    fails is silent (every matmul would run on all of OpenBLAS's busy-waiting threads, 50x slower on a
+    loaded machine), and the case above would skip instead of failing."""
+    name = _numpy_blas()
+    if "openblas" not in name:
+        pytest.skip(f"NumPy's BLAS is {name or 'not named by its build'}, not an OpenBLAS")
+    assert blas.available(), f"NumPy was built with {name}, but kernels/numpy/blas.py found no OpenBLAS to set"
+    with blas.blas_threads(1):
+        assert blas.current() == 1
+
+
 @pytest.mark.parametrize("cpus,workers,env,expected", [
     (8, None, None, 8),  # all the CPUs this process may run on
     (8, "3", None, 2),  # a pytest-xdist worker's whole share
