@@ -246,6 +246,22 @@ def test_blas_threads_finds_the_openblas_numpy_was_built_with():
         assert blas.current() == 1
 
 
+def test_the_backend_runs_its_matmuls_on_its_own_thread_count(monkeypatch):
+    """`NumpyBackend(threads=N)` runs its matmuls on N BLAS threads, and without N on its share of the
+    machine (`default_threads`): a backend that lost the count would run on whatever the process had."""
+    import kernels.numpy as numpy_backend
+
+    seen = []
+    real = numpy_backend.blas_threads
+    monkeypatch.setattr(numpy_backend, "blas_threads", lambda n: (seen.append(n), real(n))[1])
+    assert NumpyBackend().threads == blas.default_threads()
+    backend = NumpyBackend(threads=1)
+    assert backend.threads == 1
+    out = np.empty(8, np.float32)
+    backend.lm_head(np.ones((1, 16), np.float16), np.ones((8, 16), np.float16), out)
+    assert seen == [1] and np.all(out == 16)
+
+
 @pytest.mark.parametrize("cpus,workers,env,expected", [
     (8, None, None, 8),  # all the CPUs this process may run on
     (8, "3", None, 2),  # a pytest-xdist worker's whole share
