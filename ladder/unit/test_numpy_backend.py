@@ -284,3 +284,14 @@ def test_the_default_thread_count_is_a_whole_share_of_the_cpus(monkeypatch, cpus
     threads = blas.default_threads()
     assert threads == expected and type(threads) is int
     assert asked in ([0], []), f"the affinity asked of process {asked}, not of this one (0)"
+
+
+@pytest.mark.parametrize("count,expected", [(6, 6), (None, 1)])
+def test_without_an_affinity_call_the_share_is_of_the_cpu_count(monkeypatch, count, expected):
+    """Where the OS has no sched_getaffinity (macOS), the share is of os.cpu_count(), and of one CPU where
+    that count is unknown (None)."""
+    monkeypatch.delattr(blas.os, "sched_getaffinity", raising=False)
+    monkeypatch.setattr(blas.os, "cpu_count", lambda: count)
+    monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT", raising=False)
+    monkeypatch.delenv("NANOQWEN_NUMPY_THREADS", raising=False)
+    assert blas.default_threads() == expected
