@@ -76,6 +76,27 @@ def rung_command(rung: str, out: Path, args, extra: list[str], workers: str | No
     return cmd + extra
 
 
+def selected_backends(args) -> list[str]:
+    """The backends the run asks for: `--backend B`, or every registered one (none given, or `all`)."""
+    from kernels import backend_names
+
+    return list(backend_names()) if args.backend in (None, "all") else [args.backend]
+
+
+def running_backends(args) -> list[str]:
+    """The selected backends that can run on this machine."""
+    from kernels import backend_available
+
+    return [n for n in selected_backends(args) if backend_available(n)[0]]
+
+
+def device_backends(args) -> list[str]:
+    """The selected backends that need a device and can run on this machine."""
+    from kernels import backend_needs_device
+
+    return [n for n in running_backends(args) if backend_needs_device(n)]
+
+
 def worker_count(args, rung: str) -> str:
     """`-n`: what the user gave; for `auto` with a device backend that runs here, the layer and graph rungs
     take the backend's own measured choice (kernels/base.py test_workers: four per GPU on CUDA, whatever
@@ -83,14 +104,12 @@ def worker_count(args, rung: str) -> str:
     to float64 references on the host, keeps one worker per core. A user's model then caps the layer and
     graph rungs' workers at what fits the GPU's and the host's memory (ladder/run/workers.py), and one
     line says what was chosen."""
-    from kernels import backend_available, backend_class, backend_names, backend_needs_device
+    from kernels import backend_class
 
-    names = backend_names() if args.backend in (None, "all") else [args.backend]
     if args.workers != "auto" or rung == "unit":
         chosen = args.workers
     else:
-        device = [backend_class(n).test_workers() for n in names
-                  if backend_needs_device(n) and backend_available(n)[0]]
+        device = [backend_class(n).test_workers() for n in device_backends(args)]
         device = [n for n in device if n]
         chosen = str(min(device)) if device else "auto"
     files = getattr(args, "model_files", None)
@@ -98,7 +117,7 @@ def worker_count(args, rung: str) -> str:
         return chosen
     from ladder.run.workers import size_workers
 
-    running = [n for n in names if backend_available(n)[0]]
+    running = running_backends(args)
     n = (os.cpu_count() or 1) if chosen == "auto" else int(chosen)
     workers, line = size_workers(rung, n, files, running, explicit=args.workers != "auto")
     if line:
@@ -128,11 +147,9 @@ def check_required_backends(args) -> None:
     """A backend required (--require-backend, NANOQWEN_REQUIRE_GPU=1) that cannot run on this machine stops
     the command before any rung starts or any model is converted: one line, exit 2 (ladder/plugin/required.py;
     each rung's pytest would refuse the run too, one rung after another under --keep-going)."""
-    from kernels import backend_names
     from ladder.plugin.required import refusal, required_backends
 
-    selected = backend_names() if args.backend in (None, "all") else [args.backend]
-    why = refusal(required_backends([args.require_backend] if args.require_backend else []), selected)
+    why = refusal(required_backends([args.require_backend] if args.require_backend else []), selected_backends(args))
     if why:
         raise LadderArgumentError(why)
 
@@ -539,10 +556,7 @@ def start_warm_up(args) -> subprocess.Popen | None:
     NVRTC on every module at once, after the conversion: the 0.5B-size model's first run on one H200 took
     9 s longer than the same run with the cache full. None where no selected backend needs a device or can
     run here (a CPU machine: nothing is started)."""
-    from kernels import backend_available, backend_names, backend_needs_device
-
-    selected = backend_names() if args.backend in (None, "all") else [args.backend]
-    names = [n for n in selected if backend_needs_device(n) and backend_available(n)[0]]
+    names = device_backends(args)
     if not names:
         return None
     code = "from kernels import backend_class\n" + "".join(f"backend_class({n!r}).warm_up()\n" for n in names)
@@ -767,11 +781,9 @@ def judge_rung(rung: str, code: int, error_line: str | None, seconds: float, out
 def plan_side_by_side(args, rungs: list[str], model_files: list[str]):
     """(the side-by-side plan or None, each rung's `-n` where already chosen) for the rungs to run now
     (ladder/run/workers.py side_by_side); the lines that say what was chosen printed."""
-    from kernels import backend_available, backend_names
     from ladder.run.workers import ModelSize, side_by_side
 
-    names = backend_names() if args.backend in (None, "all") else [args.backend]
-    running = [n for n in names if backend_available(n)[0]]
+    running = running_backends(args)
     workers = {r: worker_count(args, r) for r in rungs if r != "unit"} if len(rungs) > 1 else {}
     try:
         plan, why = side_by_side(rungs, workers, ModelSize.of(model_files) if model_files and workers else None,
@@ -857,10 +869,10 @@ def plan_launches(args, out: Path) -> Path | None:
     file when this run records one. The map is recorded where that costs nothing (CUDA launches; NumPy on
     Python 3.12+), with --record-launches, and when --changed finds none to read. With --changed REV
     the rungs run only the cases that launch kernel code changed since REV."""
-    from kernels import backend_names, backend_needs_device
+    from kernels import backend_needs_device
     from ladder.changes import launches
 
-    backends = backend_names() if args.backend in (None, "all") else [args.backend]
+    backends = selected_backends(args)
     # a device backend's launches report themselves (kernels/base.py observe_launches): free to record
     free = launches.recording_is_free() or all(backend_needs_device(b) for b in backends)
     record = args.record_launches or free
