@@ -83,6 +83,11 @@ class Model:
         if self._closed:
             raise ModelClosedError("the model was closed (Model.close): load it again to run it")
 
+    @property
+    def token_limit(self) -> int:
+        """The most tokens one sequence may hold: the KV cache's capacity or the model's positions, the fewer."""
+        return min(self.cache.capacity, self.config.max_position_embeddings)
+
     def new_sequence(self) -> Sequence:
         self._check_open()
         return self.cache.new_sequence()
@@ -127,9 +132,9 @@ class Model:
         """Run the prompt through the model; the last position's fp32 logits stay on the device."""
         self._check_open()
         ids = self.check_ids(ids)
-        if seq.length + len(ids) > min(self.cache.capacity, self.config.max_position_embeddings):
+        if seq.length + len(ids) > self.token_limit:
             raise PromptTooLongError(f"prompt of {len(ids)} tokens (after {seq.length}) is longer than the "
-                                     f"cache's {min(self.cache.capacity, self.config.max_position_embeddings)} tokens")
+                                     f"cache's {self.token_limit} tokens")
         return self._run(seq, ids, Workspace(self.backend, self.config, len(ids)))
 
     def prefill(self, seq: Sequence, ids) -> np.ndarray:
@@ -162,7 +167,7 @@ class Model:
         self._check_open()
         ids = self.check_ids(prompt_ids)
         fed = self.check_ids(tokens)[:-1]
-        limit = min(self.cache.capacity, self.config.max_position_embeddings)
+        limit = self.token_limit
         if len(ids) + len(fed) > limit:
             raise PromptTooLongError(f"prompt of {len(ids)} tokens plus {len(fed)} fed ones is longer than the "
                                      f"cache's {limit} tokens")
@@ -236,7 +241,7 @@ class Model:
         ids = self.check_ids(prompt_ids)
         if max_new_tokens < 0:
             raise ValueError("max_new_tokens must be >= 0")
-        limit = min(self.cache.capacity, self.config.max_position_embeddings)
+        limit = self.token_limit
         if len(ids) + max_new_tokens > limit:
             raise PromptTooLongError(f"prompt of {len(ids)} tokens plus {max_new_tokens} new ones is longer "
                                      f"than the cache's {limit} tokens")
