@@ -14,7 +14,7 @@ reference/ops.py on the block's rows, with the ladder's tolerance table; a wrong
 and is not timed.
 
 Prints, last, per format and T, the four ops' sum for each kernel and the fastest: what "auto" and
-PIPE_FROM_TOKENS (kernels/cuda/int4_sym_g128.py) should pick. Progress lines go to stderr.
+WGMMA_FROM_TOKENS (kernels/cuda/int4_sym_g128.py, int4_asym_g128.py) should pick. Progress lines go to stderr.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The CUDA backend: every op of docs/BACKEND.md on an NVIDIA GPU (sm_90) through CuPy.
+"""The CUDA backend: every op of docs/BACKEND.md on an NVIDIA GPU (sm_90a: Hopper) through CuPy.
 
 Thin launchers over the kernels in this folder (one `.cu` per op family, compiled once by loader.py).
 Imported only by `kernels.get_backend("cuda")`: nothing on the CPU path imports CuPy. Follows the NumPy
@@ -24,8 +24,8 @@ a block, each K/V page staged once per tile).
 Every launch goes to CuPy's current stream, and nothing in a T = 1 op allocates memory once its scratch
 exists, so the decode step can be captured as a CUDA graph (engine/cuda_graph.py).
 
-The kernels are compiled for one architecture (loader.OPTIONS: sm_90, Hopper), so a GPU of another
-compute capability cannot run them: `is_available` says so in one line, naming the GPU, and the
+The kernels are compiled for one architecture (loader.OPTIONS: sm_90a, Hopper with its wgmma and
+setmaxnreg), so a GPU of another compute capability cannot run them: `is_available` says so in one line, naming the GPU, and the
 constructor refuses such a device with `BackendUnavailableError` before it compiles anything.
 """
 
@@ -115,7 +115,7 @@ _FAMILIES = {9: "Hopper"}  # the architecture's name, for the one line that refu
 
 
 def arch_name(arch: tuple[int, int, bool] = ARCH) -> str:
-    """`sm_90 (Hopper)`: the architecture the kernels are built for, in words."""
+    """`sm_90a (Hopper)`: the architecture the kernels are built for, in words."""
     major, minor, specific = arch
     family = _FAMILIES.get(major)
     return f"sm_{major}{minor}{'a' if specific else ''}" + (f" ({family})" if family else "")

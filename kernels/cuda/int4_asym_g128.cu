@@ -21,6 +21,7 @@
 // and the compile test see every name; the launcher picks one per op (backend.gemv_config).
 #include "gemv_rows.cuh"
 #include "int4_pipe.cuh"
+#include "int4_wgmma.cuh"
 
 // ---- unpack helpers --------------------------------------------------------------------------------
 
@@ -301,4 +302,10 @@ extern "C" __global__ void __launch_bounds__(256, 2)
 int4_asym_g128_mma_pipe64_f32(const f16_bits* x, const u32* qweight, const u32* scale_zero, float* y, int T, int N,
                               int K) {
     int4_mma_pipe<2>(x, qweight, AsymGroups{scale_zero, K / 128}, y, T, N, K);
+}
+
+// ---- prefill on wgmma (sm_90a): int4_wgmma.cuh with the zero point per group ----------------------------
+extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)
+int4_asym_g128_wgmma_f32(const f16_bits* x, const u32* qweight, const u32* scale_zero, float* y, int T, int N, int K) {
+    int4_wgmma(x, qweight, AsymGroups{scale_zero, K / 128}, y, T, N, K);
 }

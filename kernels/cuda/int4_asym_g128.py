@@ -4,8 +4,9 @@ qweight uint32 [out, in/8] (ValueShuffle nibbles q), scale_zero uint32 [out, in/
 scale, high half the fp16 number 1024 + z), docs/FORMAT.md, read as stored; in % 128 == 0. Decode:
 int4_asym_g128_gemv_<epilogue>_<variant>, CUDA-core "t<threads>_r<R>" (gemv_rows.cuh) or tensor-core
 "tc_w<warps>_u<groups>" (int4_sym_g128.cu's with a zero point per group). Prefill, by
-backend.prefill_variant: "auto" (the default: "pipe64" below PIPE_FROM_TOKENS tokens, "pipe" from
-there), "pipe64" or "pipe", int4_sym_g128's tensor-core ring with this format's zero point per group
+backend.prefill_variant: "auto" (the default: "pipe64" below WGMMA_FROM_TOKENS tokens, "wgmma" from
+there); "wgmma", int4_sym_g128's warp-specialized wgmma kernel with this format's zero point per group
+(int4_wgmma.cuh: int4_asym_g128_wgmma_f32); "pipe64" or "pipe", int4_sym_g128's tensor-core ring with it
 (int4_pipe.cuh: int4_asym_g128_mma_pipe{64,}_f32, linear.PipeLinear); or "cublas",
 int4_asym_g128_dequant_f32 into an fp32 scratch weight ((q - z) * s is exact in fp32), then one cuBLAS
 fp32 GEMM (linear.DequantLinear).
@@ -31,12 +32,13 @@ DEFAULT_CONFIG = {"qkv_proj": "tc_w8_u2", "o_proj_residual": "t128_r4", "gate_up
                   "down_residual": "t128_r4"}
 
 
-# prefill kernels (linear.PipeLinear): int4_sym_g128's ring with a zero point per group. "auto": measured
-# per layer of the 7B shape on an H200 (python -m bench.prefill_gemm, bench/NOTES.md v5), the 64-token
-# tiles are 3 to 21% faster from 16 to 256 tokens, the 128-token tiles 6% at 512 and 11% at 8192
-PREFILL_VARIANTS = ("auto", "pipe64", "pipe", "cublas")
+# prefill kernels (linear.PipeLinear): int4_sym_g128's ring and wgmma kernel with a zero point per group.
+# "auto": measured per layer of the 7B shape on an H200 (python -m bench.prefill_gemm, bench/NOTES.md v5),
+# the wgmma kernel is the fastest at every length from 16 tokens (13% ahead of the ring's 64-token tiles at
+# 16, 33% at 256, 26-31% ahead of its 128-token ones from 512 to 8192); below 16 tokens, "pipe64"
+PREFILL_VARIANTS = ("auto", "wgmma", "pipe64", "pipe", "cublas")
 DEFAULT_PREFILL = "auto"
-PIPE_FROM_TOKENS = 512
+WGMMA_FROM_TOKENS = 16
 
 
 def specs(out_features: int, in_features: int) -> dict:
@@ -58,4 +60,5 @@ LINEAR = Int4AsymG128Linear("int4_asym_g128", specs=specs, in_multiple=GROUP, ge
                             variants=VARIANTS, default_config=DEFAULT_CONFIG,
                             dequant_kernel="int4_asym_g128_dequant_f32",
                             dequant_items=lambda out_f, in_f: out_f * in_f // 8, prefill_variants=PREFILL_VARIANTS,
-                            default_prefill=DEFAULT_PREFILL, pipe_from_tokens=PIPE_FROM_TOKENS)
+                            default_prefill=DEFAULT_PREFILL, pipe_from_tokens=WGMMA_FROM_TOKENS,
+                            wgmma_kernel="int4_asym_g128_wgmma_f32", auto_from="wgmma")

@@ -21,6 +21,7 @@
 // warp, then across warps in warp order through shared memory: no atomics, deterministic results.
 #include "gemv_rows.cuh"
 #include "int4_pipe.cuh"
+#include "int4_wgmma.cuh"
 
 // x: fp16 [T, in]; qweight: uint32 [out_total, in/8]; scales: fp16 [out_total, in/128].
 // EPI_BIAS_F16:     out16[t, r] = acc(r) + bias[r]                         (out_total = rows)
@@ -562,4 +563,11 @@ int4_mma_pipe_f32(const f16_bits* x, const u32* qweight, const f16_bits* scales,
 extern "C" __global__ void __launch_bounds__(256, 2)
 int4_mma_pipe64_f32(const f16_bits* x, const u32* qweight, const f16_bits* scales, float* y, int T, int N, int K) {
     int4_mma_pipe<2>(x, qweight, SymGroups{scales, K / 128}, y, T, N, K);
+}
+
+// ---- prefill on wgmma (sm_90a): int4_wgmma_f32 (int4_wgmma.cuh) ----------------------------------------
+// The same arguments and sums; 384 threads, WG_SMEM bytes of dynamic shared memory, grid (ceil(T / 128), ceil(N / 128)).
+extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)
+int4_wgmma_f32(const f16_bits* x, const u32* qweight, const f16_bits* scales, float* y, int T, int N, int K) {
+    int4_wgmma(x, qweight, SymGroups{scales, K / 128}, y, T, N, K);
 }

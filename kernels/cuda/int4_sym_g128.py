@@ -4,10 +4,11 @@ qweight uint32 [out, in/8] (ValueShuffle nibbles), scales fp16 [out, in/128] (do
 stored. Decode: the GEMV entry points int4_gemv_<epilogue>_<variant>, CUDA-core "t<threads>_r<R>" or
 tensor-core "tc_w<warps>_u<groups>" (int4_sym_g128.cu explains both). Prefill: tensor-core kernels that
 multiply fp16 x by the unscaled nibbles (exact in fp16) one 128-group at a time with fp32 accumulation
-and scale each group's partial (no weight is rounded): int4_mma_pipe_f32 ("pipe"), its 64-token tiles
-("pipe64") or the register-staged int4_mma_f32 ("mma"); `backend.prefill_variant` picks, and the
-default "auto" takes "mma" below PIPE_FROM_TOKENS tokens and "pipe" from there (bench/prefill_gemm.py
-measured the crossing on an H200, bench/NOTES.md v4).
+and scale each group's partial (no weight is rounded): the warp-specialized wgmma kernel int4_wgmma_f32
+("wgmma", int4_wgmma.cuh), the cp.async ring int4_mma_pipe_f32 ("pipe"), its 64-token tiles ("pipe64")
+or the register-staged int4_mma_f32 ("mma"); `backend.prefill_variant` picks, and the default "auto"
+takes "mma" below WGMMA_FROM_TOKENS tokens and "wgmma" from there (bench/prefill_gemm.py measured the
+crossing on an H200, bench/NOTES.md v4 and v5). All of them give the same bits.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from kernels.cuda import loader
-from kernels.cuda.linear import GemvLinear, i32
+from kernels.cuda.linear import GemvLinear, i32, launch_wgmma
 
 GROUP = 128
 MMA_BM, MMA_BN = 64, 128  # must match int4_sym_g128.cu (int4_mma_f32)
@@ -25,12 +26,13 @@ PIPE_BN = 128  # must match int4_sym_g128.cu (int4_mma_pipe<MI>)
 # backend.prefill_variant["int4_sym_g128"] picks (the bench times each)
 PREFILL_KERNELS = {"pipe": ("int4_mma_pipe_f32", 128, PIPE_BN), "pipe64": ("int4_mma_pipe64_f32", 64, PIPE_BN),
                    "mma": ("int4_mma_f32", MMA_BM, MMA_BN)}
-PREFILL_VARIANTS = ("auto", "pipe", "pipe64", "mma")
+PREFILL_VARIANTS = ("auto", "wgmma", "pipe", "pipe64", "mma")
+WGMMA_KERNEL = "int4_wgmma_f32"  # "wgmma": launched by linear.launch_wgmma (its own grid, threads, shared memory)
 DEFAULT_PREFILL = "auto"
-# "auto": measured per layer of the 7B shape on an H200 in two runs (bench/prefill_gemm.py, v4), the
-# register-staged kernel is 11-32% faster than the cp.async ring from 16 to 256 tokens, the ring 3% faster
-# at 512 and 4% at 8192, the two within 2% of each other at 2048
-PIPE_FROM_TOKENS = 512
+# "auto": measured per layer of the 7B shape on an H200 (python -m bench.prefill_gemm, bench/NOTES.md v5),
+# the wgmma kernel is the fastest from 64 tokens (7% ahead of "mma" at 64, 16% at 128, 22% at 256, 28-30%
+# ahead of the ring from 512 to 8192); at 16 tokens the register-staged "mma" is 10% faster than it
+WGMMA_FROM_TOKENS = 64
 GEMV_KERNEL = "int4_gemv"
 CHUNK_INPUTS = 32  # inputs of one 16-byte weight load (4-bit weights): the step of the CUDA-core
 # variants' thread loop (thread i takes loads i, i + threads, ...); catalog.loop_stride reads it
@@ -57,7 +59,10 @@ class Int4SymG128Linear(GemvLinear):
         if variant not in PREFILL_VARIANTS:
             raise ValueError(f"prefill_variant[{self.name!r}] = {variant!r} is not one of {PREFILL_VARIANTS}")
         if variant == "auto":
-            variant = "pipe" if T >= PIPE_FROM_TOKENS else "mma"
+            variant = "wgmma" if T >= WGMMA_FROM_TOKENS else "mma"
+        if variant == "wgmma":
+            launch_wgmma(WGMMA_KERNEL, x, (w["qweight"], w["scales"]), y, T, N, K)
+            return y
         kernel, bm, bn = PREFILL_KERNELS[variant]
         loader.kernels()[kernel]((-(-N // bn), -(-T // bm)), (256,), (x, w["qweight"], w["scales"], y, i32(T), i32(N), i32(K)))
         return y

@@ -14,7 +14,8 @@ these classes; CudaBackend calls it for the four quantized ops:
   shared epilogue kernels (epilogues.cu). `DequantLinear` does it with the format's dequantize kernel
   into an fp32 scratch weight (every shipped format's values are exact in fp32) and one cuBLAS fp32
   GEMM; `PipeLinear` (the 8-bit formats, int4_asym_g128) may instead take the format's tensor-core
-  ring kernels (pipe8.cuh, int4_pipe.cuh); int4_sym_g128 has its own launcher for its tensor-core kernels.
+  ring kernels (pipe8.cuh, int4_pipe.cuh), and the INT4 formats their wgmma kernel (int4_wgmma.cuh,
+  `launch_wgmma`); int4_sym_g128 has its own launcher for its tensor-core kernels.
 
 Nothing here allocates on the T = 1 path (graph capture); scratch comes from `backend.scratch`, never
 freed while the backend lives.
@@ -39,6 +40,25 @@ def i32(v) -> np.int32:
 def blocks(n: int, block: int = _EW_BLOCK, cap: int = 65535) -> int:
     """Blocks for a grid-stride loop over n elements."""
     return max(1, min(cap, -(-n // block)))
+
+
+# int4_wgmma.cuh's geometry, read from its source: 384 threads (a producer warpgroup, two consumers), 128 x
+# 128 tiles, WG_SMEM bytes of dynamic shared memory (above the 48 KB a launch gets without asking)
+_WG = catalog.defines("int4_wgmma.cuh")
+WG_THREADS, WG_BM, WG_BN, WG_SMEM = _WG["WG_THREADS"], _WG["WG_BM"], _WG["WG_BN"], _WG["WG_SMEM"]
+_WG_READY: set = set()  # (kernel, device) whose dynamic shared-memory limit was raised to WG_SMEM
+
+
+def launch_wgmma(kernel_name: str, x, weight_args: tuple, y, T: int, N: int, K: int) -> None:
+    """One of int4_wgmma.cuh's entry points: y fp32 [T, N] = x W^T. Grid (token tiles, weight-row tiles):
+    the token tiles of a weight tile run side by side (the kernel's header says why)."""
+    kernel = loader.kernels()[kernel_name]
+    key = (kernel_name, cp.cuda.Device().id)
+    if key not in _WG_READY:  # a function attribute, per device
+        kernel.kernel.max_dynamic_shared_size_bytes = WG_SMEM
+        _WG_READY.add(key)
+    kernel((-(-T // WG_BM), -(-N // WG_BN)), (WG_THREADS,), (x, *weight_args, y, i32(T), i32(N), i32(K)),
+           shared_mem=WG_SMEM)
 
 
 class GemvLinear:
@@ -153,22 +173,24 @@ class PipeLinear(DequantLinear):
     value in the B fragments, the row's scale once at the end), int4_asym_g128's from int4_pipe.cuh
     (q - z exact in fp16, each group's scale on its partial); both keep 128-input fp32 partials.
     `backend.prefill_variant[name]` picks among `prefill_variants`; "cublas" is DequantLinear's
-    dequantize-and-cuBLAS path; "auto" (with `pipe_from_tokens`) takes "pipe64" below that many tokens and
-    "pipe" from there."""
+    dequantize-and-cuBLAS path; "wgmma" (where `wgmma_kernel` names one) the format's int4_wgmma.cuh
+    kernel; "auto" (with `pipe_from_tokens`) takes "pipe64" below that many tokens and, from there,
+    `auto_from` ("pipe" unless set)."""
 
     PIPE_KERNELS = {"pipe": ("_mma_pipe_f32", 128), "pipe64": ("_mma_pipe64_f32", 64)}  # suffix, tokens a tile
     PIPE_BN = 128  # weight rows a tile: pipe8.cuh P8_BN, int4_pipe.cuh PIPE_BN
 
     def __init__(self, name: str, *, prefill_variants: tuple, default_prefill: str, pipe_from_tokens: int | None = None,
-                 **kw):
+                 wgmma_kernel: str | None = None, auto_from: str = "pipe", **kw):
         super().__init__(name, **kw)
-        known = {"cublas", *self.PIPE_KERNELS, *(("auto",) if pipe_from_tokens else ())}
+        known = {"cublas", *self.PIPE_KERNELS, *(("auto",) if pipe_from_tokens else ()), *(("wgmma",) if wgmma_kernel else ())}
         unknown = set(prefill_variants) - known
         if unknown or default_prefill not in prefill_variants:
             raise ValueError(f"{name}: prefill variants {prefill_variants} (default {default_prefill!r}) are not "
                              f"among {', '.join(sorted(known))}")
         self.prefill_variants, self.default_prefill = tuple(prefill_variants), default_prefill
         self.pipe_from_tokens = pipe_from_tokens
+        self.wgmma_kernel, self.auto_from = wgmma_kernel, auto_from
 
     def matmul_f32(self, backend, x, w):
         variant = getattr(backend, "prefill_variant", {}).get(self.name, self.default_prefill)
@@ -180,8 +202,11 @@ class PipeLinear(DequantLinear):
             raise ValueError("x: the prefill kernel reads activations in 16-byte loads; x is not 16-byte aligned")
         T, N, K = x.shape[0], w.out_features, w.in_features
         if variant == "auto":
-            variant = "pipe" if T >= self.pipe_from_tokens else "pipe64"
+            variant = self.auto_from if T >= self.pipe_from_tokens else "pipe64"
         y = backend.scratch("prefill_y", (T, N), np.float32)
+        if variant == "wgmma":
+            launch_wgmma(self.wgmma_kernel, x, self.weight_args(w), y, T, N, K)
+            return y
         suffix, bm = self.PIPE_KERNELS[variant]
         loader.kernels()[self.name + suffix]((-(-N // self.PIPE_BN), -(-T // bm)), (256,),
                                              (x, *self.weight_args(w), y, i32(T), i32(N), i32(K)))

@@ -1,4 +1,4 @@
-"""Compile every CUDA module of this folder once (cupy.RawModule, sm_90) and hand out its kernels.
+"""Compile every CUDA module of this folder once (cupy.RawModule, sm_90a) and hand out its kernels.
 
 Each `.cu` file is one module (MODULES: every `.cu` here, found by name). A line `#include "x.cuh"`
 naming a header of this folder is replaced by the header's text, recursively and once per module (the
@@ -30,7 +30,7 @@ from kernels import base
 
 HERE = Path(__file__).resolve().parent
 MODULES = tuple(sorted(p.stem for p in HERE.glob("*.cu")))
-OPTIONS = ("-std=c++17", "--gpu-architecture=sm_90")
+OPTIONS = ("-std=c++17", "--gpu-architecture=sm_90a")
 _INCLUDE = re.compile(r'^[ \t]*#include[ \t]+"([\w.]+\.cuh)"[ \t]*$', re.M)
 _PRAGMA_ONCE = re.compile(r"^[ \t]*#pragma[ \t]+once[ \t]*$", re.M)
 _ENTRY = re.compile(r'extern "C" __global__ void(?:\s+__launch_bounds__\([^)]*\))?\s+(\w+)\s*\(')

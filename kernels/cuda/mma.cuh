@@ -38,3 +38,73 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const void* smem)
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s));
 }
+
+// ---- Hopper (sm_90a): wgmma, mbarriers, register hand-over (int4_wgmma.cuh) ---------------------------
+//
+// wgmma.mma_async m64n128k16 (fp16 x fp16 -> fp32), issued by a whole warpgroup (4 consecutive warps, the
+// first a multiple of 4). A from registers, in mma.sync's A layout per warp: warp i of the warpgroup holds
+// rows 16 i .. 16 i + 15 (a0..a3 as mma_16816's). B from shared memory through a descriptor. D (64 fp32 a
+// thread): d[4 j + e], j = 0..15 the 8-column block, = (row 16 i + r (+ 8 for e >= 2), column 8 j + 2 c +
+// (e & 1)), lane = 4 r + c. It runs asynchronously: the registers it reads (A) and writes (D) may not be
+// touched between the issue and wgmma.wait_group, and wgmma.fence must come between any register write
+// and the next issue. scale_d = 0 starts D from zero (a fresh partial), 1 accumulates.
+__device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const u32 (&a)[4], unsigned long long desc_b,
+                                                    int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %68, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
+        "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, "
+        "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "{%64, %65, %66, %67}, %69, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(scale_d), "l"(desc_b));
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+// The compiler sees wgmma's D as written at the issue; the hardware writes it until the wait. Passing every
+// register through an empty asm after the wait (and before the next issue) keeps reads of D after the wait
+// and writes of D (the fold) before the fence.
+__device__ __forceinline__ void wgmma_touch(float (&d)[64]) {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// Shared-memory matrix descriptor for no-swizzle K-major operands: start address, LBO (bytes between core
+// matrices adjacent in K) and SBO (bytes between core matrices adjacent in M/N), each in 16-byte units;
+// base offset 0, swizzle mode 0. A core matrix is 8 rows x 16 B, its rows contiguous.
+__device__ __forceinline__ unsigned long long wgmma_desc(const void* smem, unsigned lbo, unsigned sbo) {
+    const unsigned long long a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    return ((a >> 4) & 0x3FFFull) | ((unsigned long long)((lbo >> 4) & 0x3FFF) << 16) |
+           ((unsigned long long)((sbo >> 4) & 0x3FFF) << 32);
+}
+// cp.async writes shared memory through the generic proxy, wgmma reads it through the async proxy: a reader
+// that has seen the writes (through an mbarrier) fences before its wgmma read them.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// mbarriers in shared memory (64-bit each). A phase completes when `count` arrivals have come; a waiter
+// names the phase by its parity (0 for the first, 1 for the second, ...).
+__device__ __forceinline__ unsigned smem_addr(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void mbar_init(unsigned long long* b, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_addr(b)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned long long* b) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}" :: "r"(smem_addr(b)) : "memory");
+}
+// an arrival that lands when this thread's earlier cp.async have completed (noinc: counted in `count`)
+__device__ __forceinline__ void mbar_arrive_on_copies(unsigned long long* b) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(smem_addr(b)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned long long* b, unsigned parity) {
+    asm volatile(
+        "{\n.reg .pred p;\nWAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+        "@!p bra WAIT_%=;\n}" :: "r"(smem_addr(b)), "r"(parity) : "memory");
+}

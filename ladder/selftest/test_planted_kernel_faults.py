@@ -16,7 +16,7 @@ by what it names:
 - `wrong_stride`: the thread loop strides half its block (`c += THREADS / 2`), so the chunks past one
   full stride are summed twice: the unit rung, at the edge shapes past one stride.
 
-Without a GPU (CI): each edit applies to exactly one place and the edited module compiles for sm_90. With
+Without a GPU (CI): each edit applies to exactly one place and the edited module compiles for sm_90a. With
 one (marker `gpu`, the nightly's GPU self-tests): each edited tree is red where its fault says, the four
 side by side.
 """

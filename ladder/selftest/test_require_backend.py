@@ -7,8 +7,8 @@ line on stderr, `nanoqwen: error: ...`, naming the backend, what required it and
 (ladder/plugin/required.py). Nothing is collected, no worker starts, no rung runs, no JUnit or ladder JSON is
 written. Each case runs the command in a subprocess; on a machine where the cuda backend runs, they skip.
 
-A GPU the kernels cannot run on counts as no GPU: the kernels are compiled for sm_90 only, so a machine
-whose GPUs are not all of compute capability 9.x has no cuda backend, and says why in one line naming
+A GPU the kernels cannot run on counts as no GPU: the kernels are compiled for sm_90a only, so a machine
+whose GPUs are not all of compute capability 9.0 has no cuda backend, and says why in one line naming
 the GPU, its capability and the architecture the kernels are built for (kernels/cuda/__init__.py,
 `is_available`), instead of failing deep inside a kernel launch. Those cases run anywhere: a stand-in
 `cupy` module (`FAKE_CUPY`, which reports the GPUs it is told of and runs nothing) takes CuPy's place.
@@ -138,7 +138,7 @@ class cuda:
 A100 = "NVIDIA A100-SXM4-80GB=80"
 H200 = "NVIDIA H200=90"
 B200 = "NVIDIA B200=100"
-A100_WHY = "GPU 0 (NVIDIA A100-SXM4-80GB) is compute capability 8.0; the CUDA kernels are built for sm_90 (Hopper) only"
+A100_WHY = "GPU 0 (NVIDIA A100-SXM4-80GB) is compute capability 8.0; the CUDA kernels are built for sm_90a (Hopper) only"
 
 
 @pytest.fixture
@@ -178,12 +178,12 @@ def test_a_compute_capability_9_gpu_makes_the_cuda_backend_available(fake_gpus):
 
 
 def test_a_newer_gpu_than_the_kernels_are_built_for_is_refused_too(fake_gpus):
-    """An sm_90 cubin does not run on Blackwell (compute capability 10.0): binary compatibility stops at
+    """An sm_90a cubin does not run on Blackwell (compute capability 10.0): binary compatibility stops at
     the major version."""
     fake_gpus(B200)
     ok, why = backend_available("cuda")
     assert not ok and why.startswith("GPU 0 (NVIDIA B200) is compute capability 10.0; the CUDA kernels are built "
-                                     "for sm_90 (Hopper) only"), why
+                                     "for sm_90a (Hopper) only"), why
 
 
 @pytest.mark.parametrize("visible, keeps", [(None, "0,2"), ("5,3,7", "5,7")], ids=["all-visible", "already-narrowed"])
@@ -196,7 +196,7 @@ def test_one_gpu_the_kernels_cannot_run_on_among_several_makes_the_backend_unava
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     ok, why = backend_available("cuda")
     assert not ok
-    assert why == (f"GPU 1 (NVIDIA A100-SXM4-80GB) is compute capability 8.0; the CUDA kernels are built for sm_90 "
+    assert why == (f"GPU 1 (NVIDIA A100-SXM4-80GB) is compute capability 8.0; the CUDA kernels are built for sm_90a "
                    f"(Hopper) only, and every visible GPU must run them (CUDA_VISIBLE_DEVICES={keeps} keeps those "
                    f"that can)")
 
@@ -209,7 +209,7 @@ def test_the_cuda_backend_refuses_to_start_on_a_gpu_it_cannot_run_on(fake_gpus):
     with pytest.raises(BackendUnavailableError) as e:
         get_backend("cuda", device=1)
     assert str(e.value) == ("backend 'cuda' cannot run here: GPU 1 (NVIDIA A100-SXM4-80GB) is compute capability "
-                            "8.0; the CUDA kernels are built for sm_90 (Hopper) only")
+                            "8.0; the CUDA kernels are built for sm_90a (Hopper) only")
 
 
 def test_generate_on_a_gpu_the_kernels_cannot_run_on_is_one_line(fake_gpus, capsys):

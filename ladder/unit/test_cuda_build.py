@@ -1,4 +1,4 @@
-"""CPU-side guards for the CUDA backend: every `.cu` compiles for sm_90, every launcher's kernels exist,
+"""CPU-side guards for the CUDA backend: every `.cu` compiles for sm_90a, every launcher's kernels exist,
 and the CPU path never imports CuPy.
 
 The compile test feeds nvcc exactly the text the loader gives NVRTC (the folder's headers inlined by

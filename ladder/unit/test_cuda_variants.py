@@ -12,7 +12,8 @@
   variant) of the formats `--quant` selects. A backend without a `gemv_config` (one GEMV per op,
   nothing to pick) skips them with that reason.
 - The prefill path (T above `gemv_max_tokens`) at its tile edges: T and rows on, below and past the
-  64 x 128 tensor-core tile.
+  64 x 128 tensor-core tile; the wgmma kernel also at its ring's depth (WG_STAGES groups, twice that)
+  and its consumer warpgroups' 64 rows.
 - The Qwen2.5-Coder-7B shapes of the four ops (decode and a 64-token prefill); every prefill attention
   kernel (tensor cores, warp, block) at its tile and page edges; both decode attention kernels
   (the warp-per-page one and paged_attention_f16) with fixed and dynamic split sizes (one page per
@@ -173,6 +174,25 @@ def test_every_prefill_kernel_at_the_7b_depth_of_inputs(backend, quant_format):
         with _prefill_kernel(backend, quant_format, variant):
             check_linear(backend, quant_format, "down_residual", 65, in_f, 129, seed=in_f,
                          case=f",7B depth{',prefill=' + variant if variant else ''}")
+
+
+WGMMA = CATALOG.defines("int4_wgmma.cuh")  # the wgmma kernel's tiling and ring, read from its source
+
+
+def test_the_wgmma_prefill_at_its_ring_and_warpgroup_edges(backend, quant_format):
+    """The wgmma kernel (int4_wgmma.cuh) where its own structure has edges the shared tile-edge case does not
+    reach: inputs of exactly WG_STAGES groups and of twice that (the producer's ring filled once, and
+    wrapped to the same stage), one group past it; rows on and one past a consumer warpgroup's 64 and a
+    tile and a half; tokens one past a tile and on and past two."""
+    if "wgmma" not in _prefill_kernels(backend, quant_format):
+        pytest.skip(f"{quant_format.name} has no wgmma prefill kernel on this backend")
+    stages, bm, half = WGMMA["WG_STAGES"], WGMMA["WG_BM"], WGMMA["WG_BN"] // 2
+    with _prefill_kernel(backend, quant_format, "wgmma"):
+        for groups in (stages, stages + 1, 2 * stages):
+            for T in (bm + 1, 2 * bm, 2 * bm + 1):
+                for rows in (half, half + 1, 3 * half):
+                    check_linear(backend, quant_format, "o_proj_residual", T, 128 * groups, rows,
+                                 seed=groups * 10000 + T * 10 + rows, case=f",wgmma,{groups} groups")
 
 
 _FULL_SIZE: dict = {}  # (backend, format, op) -> (backend weight, reference weight): the last one made
