@@ -183,7 +183,10 @@ class PipeLinear(DequantLinear):
     def __init__(self, name: str, *, prefill_variants: tuple, default_prefill: str, pipe_from_tokens: int | None = None,
                  wgmma_kernel: str | None = None, auto_from: str = "pipe", **kw):
         super().__init__(name, **kw)
-        known = {"cublas", *self.PIPE_KERNELS, *(("auto",) if pipe_from_tokens else ()), *(("wgmma",) if wgmma_kernel else ())}
+        known = {"cublas", *self.PIPE_KERNELS, *(("wgmma",) if wgmma_kernel else ())}
+        if pipe_from_tokens and auto_from not in known:
+            raise ValueError(f"{name}: auto_from {auto_from!r} is not among {', '.join(sorted(known))}")
+        known |= {"auto"} if pipe_from_tokens else set()
         unknown = set(prefill_variants) - known
         if unknown or default_prefill not in prefill_variants:
             raise ValueError(f"{name}: prefill variants {prefill_variants} (default {default_prefill!r}) are not "
