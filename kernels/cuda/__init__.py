@@ -25,8 +25,9 @@ Every launch goes to CuPy's current stream, and nothing in a T = 1 op allocates 
 exists, so the decode step can be captured as a CUDA graph (engine/cuda_graph.py).
 
 The kernels are compiled for one architecture (loader.OPTIONS: sm_90a, Hopper with its wgmma and
-setmaxnreg), so a GPU of another compute capability cannot run them: `is_available` says so in one line, naming the GPU, and the
-constructor refuses such a device with `BackendUnavailableError` before it compiles anything.
+setmaxnreg), so a GPU of another compute capability cannot run them: `is_available` says so in one
+line, naming the GPU, and the constructor refuses such a device with `BackendUnavailableError` before
+it compiles anything.
 """
 
 from __future__ import annotations
