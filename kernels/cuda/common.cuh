@@ -94,9 +94,10 @@ __device__ __forceinline__ void h2x2f(u32 w, float& lo, float& hi) {
 // 16-byte load of x (8 halves, 4 words) lines up with one qweight word's 4 pairs.
 
 // Pair c (elements 2c, 2c+1) of a qweight word as the half2 (n - z, n' - z), exact: `zz` is the half2
-// (1024 + z, 1024 + z), 0x64086408 for int4_sym_g128's fixed zero point 8 (int4_asym_g128 passes its
+// (1024 + z, 1024 + z), SYM_ZERO_PAIR for int4_sym_g128's fixed zero point 8 (int4_asym_g128 passes its
 // group's). c may be a lane's runtime index (the prefill kernel's B fragment) or a constant.
-__device__ __forceinline__ u32 int4_pair(u32 word, int c, u32 zz = 0x64086408u) {
+constexpr u32 SYM_ZERO_PAIR = 0x64086408u;  // the half2 (1032, 1032): 1024 + the zero point 8
+__device__ __forceinline__ u32 int4_pair(u32 word, int c, u32 zz = SYM_ZERO_PAIR) {
     u32 t, q;
     // lop3 LUT 0xEA = (a & b) | c  with a = word >> 4c, b = 0x000F000F, c = 0x64006400
     asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(t) : "r"(word >> (4 * c)), "r"(0x000F000Fu), "r"(0x64006400u));

@@ -98,7 +98,7 @@ __device__ __forceinline__ void int4_wgmma(const f16_bits* __restrict__ x, const
     for (int g = 0; g < groups; ++g) {
         const int s = g % WG_STAGES;
         const float s0 = h2f(gs.scale(row0, g)), s1 = h2f(gs.scale(row1, g));  // in flight while the group multiplies
-        u32 z0 = 0x64086408u, z1 = 0x64086408u;  // int4_pair's fixed zero point 8, or the rows' own
+        u32 z0 = SYM_ZERO_PAIR, z1 = SYM_ZERO_PAIR;  // int4_pair's fixed zero point 8, or the rows' own
         if constexpr (Groups::ZERO_PER_GROUP) {
             z0 = gs.zero(row0, g);
             z1 = gs.zero(row1, g);

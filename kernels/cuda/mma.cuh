@@ -20,8 +20,11 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const u32 (&a)[4], cons
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// a generic pointer into shared memory as the 32-bit shared-window address PTX's shared operands take
+__device__ __forceinline__ unsigned smem_addr(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
+
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
-    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    const unsigned s = smem_addr(smem);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(s), "l"(gmem), "r"(src_bytes));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
@@ -29,12 +32,12 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N)); }
 
 __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const void* smem) {
-    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    const unsigned s = smem_addr(smem);
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s));
 }
 __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const void* smem) {
-    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    const unsigned s = smem_addr(smem);
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s));
 }
@@ -81,6 +84,8 @@ __device__ __forceinline__ void wgmma_touch(float (&d)[64]) {
 // matrices adjacent in K) and SBO (bytes between core matrices adjacent in M/N), each in 16-byte units;
 // base offset 0, swizzle mode 0. A core matrix is 8 rows x 16 B, its rows contiguous.
 __device__ __forceinline__ unsigned long long wgmma_desc(const void* smem, unsigned lbo, unsigned sbo) {
+    // the cast written out, not smem_addr: through the call nvcc 13.0 orders the mask and the shift below
+    // the other way round (the same bits); this is the code the wgmma kernel was measured with
     const unsigned long long a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
     return ((a >> 4) & 0x3FFFull) | ((unsigned long long)((lbo >> 4) & 0x3FFF) << 16) |
            ((unsigned long long)((sbo >> 4) & 0x3FFF) << 32);
@@ -91,7 +96,6 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 
 // mbarriers in shared memory (64-bit each). A phase completes when `count` arrivals have come; a waiter
 // names the phase by its parity (0 for the first, 1 for the second, ...).
-__device__ __forceinline__ unsigned smem_addr(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
 __device__ __forceinline__ void mbar_init(unsigned long long* b, unsigned count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_addr(b)), "r"(count) : "memory");
 }
