@@ -28,8 +28,8 @@ CHUNK_INPUTS = 32  # inputs of one 16-byte weight load (4-bit weights): the step
 # variants' thread loop (thread i takes loads i, i + threads, ...); catalog.loop_stride reads it
 VARIANTS = ("t64_r4", "t128_r4", "t128_r8", "t256_r8", "tc_w4_u4", "tc_w8_u4", "tc_w8_u2")
 # the fastest correct variant per op on an H200 (python -m bench.format_gemv --all-variants, bench/NOTES.md)
-DEFAULT_CONFIG = {"qkv_proj": "tc_w8_u2", "o_proj_residual": "t128_r4", "gate_up_silu": "tc_w8_u2",
-                  "down_residual": "t128_r4"}
+DEFAULT_CONFIG = {"qkv_proj": "tc_w8_u2", "o_proj_residual": "tc_w8_u4", "gate_up_silu": "tc_w4_u4",
+                  "down_residual": "tc_w8_u4"}
 
 
 # prefill kernels (linear.PipeLinear): int4_sym_g128's ring and wgmma kernel with a zero point per group.

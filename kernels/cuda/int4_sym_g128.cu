@@ -22,6 +22,7 @@
 #include "gemv_rows.cuh"
 #include "int4_pipe.cuh"
 #include "int4_wgmma.cuh"
+#include "gemv_tc.cuh"
 
 // x: fp16 [T, in]; qweight: uint32 [out_total, in/8]; scales: fp16 [out_total, in/128].
 // EPI_BIAS_F16:     out16[t, r] = acc(r) + bias[r]                         (out_total = rows)
@@ -267,156 +268,52 @@ extern "C" __global__ void __launch_bounds__(256) int4_gemv_silu_mul_f16_f256_r8
     gemv_rows<DecodeInt4SymG128F32, EPI_SILU_MUL_F16, 256, 8>(x, reinterpret_cast<const uint4*>(qweight), scales, nullptr, out, nullptr, rows, in_f);
 }
 
-// ---- decode GEMV on the tensor cores ---------------------------------------------------------------
+// ---- decode GEMV on the tensor cores (variants tc_w<NW>_u<U>) --------------------------------------
 //
-// The same sums as above, with the unpacked nibbles fed to mma.sync.m16n8k16 (fp16 x fp16 -> fp32):
-// n - 8 and x are exact in fp16, so every product is exact and the sums are fp32, as in the CUDA-core
-// kernel, at about a quarter of the instructions per weight byte (the CUDA-core kernel converts every
-// value to fp32 and spends an FMA on it; here one mma does 256 multiply-adds).
-//
-// A warp owns a tile of 16 weight rows: lane (c = lane % 4, r = lane / 4) holds row `lo` = tile row r
-// and row `hi` = tile row r + 8 (gate/up: gate row r and the matching up row), and in each 128-group g
-// it reads words 4c .. 4c+3 of the group's 16 words of both rows (one 16-byte load each). Word j gives
-// pairs q0..q3 (elements 2k, 2k+1 of the word); the mma's k slots (2c, 2c+1) and (2c+8, 2c+9) take
-// (q0, q1) in one mma and (q2, q3) in the next, and B takes the matching x pairs, so row and column
-// agree on which input each k slot holds. Every column of B holds the same x, so every column of C is
-// the same dot product: c0 is row lo's group sum and c2 row hi's. The scale multiplies each group's sum
-// once (fp32), as above. The NW warps of a block split the groups (U groups per batch, whose loads are
-// all issued before the first mma), then add their partials in warp order through shared memory.
-__device__ __forceinline__ void mma_16816_acc(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-template <int EPI, int NW, int U>
-__device__ __forceinline__ void int4_gemv_tc(const f16_bits* __restrict__ x, const u32* __restrict__ qweight,
-                                             const f16_bits* __restrict__ scales, const f16_bits* __restrict__ bias,
-                                             f16_bits* __restrict__ out16, float* __restrict__ resid, int rows, int in_f) {
-    __shared__ float red[NW][16];
-    __shared__ float tot[16];
-    const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP, c = lane % 4, r = lane / 4;
-    const int t = blockIdx.y;
-    const int words_per_row = in_f / 8, groups = in_f / 128;
-    int base, lo, hi;
-    if (EPI == EPI_SILU_MUL_F16) {
-        base = blockIdx.x * 8;
-        lo = imin(base + r, rows - 1);  // clamped rows are loaded (in bounds) but never stored
-        hi = lo + rows;
-    } else {
-        base = blockIdx.x * 16;
-        lo = imin(base + r, rows - 1);
-        hi = imin(base + 8 + r, rows - 1);
-    }
-    const uint4* wlo = reinterpret_cast<const uint4*>(qweight + (size_t)lo * words_per_row) + c;
-    const uint4* whi = reinterpret_cast<const uint4*>(qweight + (size_t)hi * words_per_row) + c;
-    const f16_bits* slo = scales + (size_t)lo * groups;
-    const f16_bits* shi = scales + (size_t)hi * groups;
-    const uint4* xv = reinterpret_cast<const uint4*>(x + (size_t)t * in_f) + 4 * c;
-    pdl_enter();  // common.cuh: x is the previous kernel's output
-
-    float tlo = 0.0f, thi = 0.0f;
-    for (int g0 = warp * U; g0 < groups; g0 += NW * U) {
-        uint4 wl[U], wh[U];
-        f16_bits sl[U], sh[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int g = imin(g0 + u, groups - 1);  // past the end: a valid group, result discarded
-            wl[u] = __ldg(wlo + 4 * g);
-            wh[u] = __ldg(whi + 4 * g);
-            sl[u] = __ldg(slo + g);
-            sh[u] = __ldg(shi + g);
-        }
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            if (g0 + u >= groups) break;
-            const int g = g0 + u;
-            u32 xw[4][4];
-#pragma unroll
-            for (int j = 0; j < 4; ++j) uint4_words(__ldg(xv + 16 * g + j), xw[j]);
-            const u32 lw[4] = {wl[u].x, wl[u].y, wl[u].z, wl[u].w};
-            const u32 hw[4] = {wh[u].x, wh[u].y, wh[u].z, wh[u].w};
-            float acc0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, acc1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                u32 ql[4], qh[4];
-                unpack_int4_pairs(lw[j], ql);
-                unpack_int4_pairs(hw[j], qh);
-                if (j % 2 == 0) {  // two accumulators: two independent mma chains
-                    mma_16816_acc(acc0, ql[0], qh[0], ql[1], qh[1], xw[j][0], xw[j][1]);
-                    mma_16816_acc(acc0, ql[2], qh[2], ql[3], qh[3], xw[j][2], xw[j][3]);
-                } else {
-                    mma_16816_acc(acc1, ql[0], qh[0], ql[1], qh[1], xw[j][0], xw[j][1]);
-                    mma_16816_acc(acc1, ql[2], qh[2], ql[3], qh[3], xw[j][2], xw[j][3]);
-                }
-            }
-            tlo = fmaf(acc0[0] + acc1[0], h2f(sl[u]), tlo);
-            thi = fmaf(acc0[2] + acc1[2], h2f(sh[u]), thi);
-        }
-    }
-    if (c == 0) {
-        red[warp][r] = tlo;
-        red[warp][r + 8] = thi;
-    }
-    __syncthreads();  // every warp's partials are in shared memory
-    if (tid < 16) {
-        float s = 0.0f;
-#pragma unroll
-        for (int w = 0; w < NW; ++w) s += red[w][tid];  // fixed order: deterministic
-        tot[tid] = s;
-    }
-    __syncthreads();
-    if (EPI == EPI_SILU_MUL_F16) {
-        const int row = base + tid;
-        if (tid < 8 && row < rows) {
-            const float g = tot[tid], u = tot[tid + 8];
-            out16[(size_t)t * rows + row] = f2h(g / (1.0f + expf(-g)) * u);
-        }
-    } else if (tid < 16) {
-        const int row = base + tid;
-        if (row < rows) {
-            if (EPI == EPI_BIAS_F16) out16[(size_t)t * rows + row] = f2h(tot[tid] + h2f(bias[row]));
-            else resid[(size_t)t * rows + row] += tot[tid];
-        }
-    }
-}
+// The same sums as above, with the unpacked nibbles fed to mma.sync: gemv_tc.cuh's body (its work split,
+// double-buffered loads and fixed reduction order) with this format's group reader: zero 8 for every
+// group, the fp16 scale of the group.
+struct TcSymG128 {
+    typedef f16_bits Word;
+    __device__ static __forceinline__ u32 zero(Word) { return SYM_ZERO_PAIR; }
+    __device__ static __forceinline__ float scale(Word s) { return h2f(s); }
+};
 
 extern "C" __global__ void __launch_bounds__(128) int4_gemv_bias_f16_tc_w4_u4(
     const f16_bits* x, const u32* qweight, const f16_bits* scales, const f16_bits* bias, f16_bits* out, int rows, int in_f) {
-    int4_gemv_tc<EPI_BIAS_F16, 4, 4>(x, qweight, scales, bias, out, nullptr, rows, in_f);
+    gemv_tc<TcSymG128, EPI_BIAS_F16, 4, 4>(x, qweight, scales, bias, out, nullptr, rows, in_f);
 }
 extern "C" __global__ void __launch_bounds__(128) int4_gemv_residual_f32_tc_w4_u4(
     const f16_bits* x, const u32* qweight, const f16_bits* scales, float* resid, int rows, int in_f) {
-    int4_gemv_tc<EPI_RESIDUAL_F32, 4, 4>(x, qweight, scales, nullptr, nullptr, resid, rows, in_f);
+    gemv_tc<TcSymG128, EPI_RESIDUAL_F32, 4, 4>(x, qweight, scales, nullptr, nullptr, resid, rows, in_f);
 }
 extern "C" __global__ void __launch_bounds__(128) int4_gemv_silu_mul_f16_tc_w4_u4(
     const f16_bits* x, const u32* qweight, const f16_bits* scales, f16_bits* out, int rows, int in_f) {
-    int4_gemv_tc<EPI_SILU_MUL_F16, 4, 4>(x, qweight, scales, nullptr, out, nullptr, rows, in_f);
+    gemv_tc<TcSymG128, EPI_SILU_MUL_F16, 4, 4>(x, qweight, scales, nullptr, out, nullptr, rows, in_f);
 }
 extern "C" __global__ void __launch_bounds__(256) int4_gemv_bias_f16_tc_w8_u4(
     const f16_bits* x, const u32* qweight, const f16_bits* scales, const f16_bits* bias, f16_bits* out, int rows, int in_f) {
-    int4_gemv_tc<EPI_BIAS_F16, 8, 4>(x, qweight, scales, bias, out, nullptr, rows, in_f);
+    gemv_tc<TcSymG128, EPI_BIAS_F16, 8, 4>(x, qweight, scales, bias, out, nullptr, rows, in_f);
 }
 extern "C" __global__ void __launch_bounds__(256) int4_gemv_residual_f32_tc_w8_u4(
     const f16_bits* x, const u32* qweight, const f16_bits* scales, float* resid, int rows, int in_f) {
-    int4_gemv_tc<EPI_RESIDUAL_F32, 8, 4>(x, qweight, scales, nullptr, nullptr, resid, rows, in_f);
+    gemv_tc<TcSymG128, EPI_RESIDUAL_F32, 8, 4>(x, qweight, scales, nullptr, nullptr, resid, rows, in_f);
 }
 extern "C" __global__ void __launch_bounds__(256) int4_gemv_silu_mul_f16_tc_w8_u4(
     const f16_bits* x, const u32* qweight, const f16_bits* scales, f16_bits* out, int rows, int in_f) {
-    int4_gemv_tc<EPI_SILU_MUL_F16, 8, 4>(x, qweight, scales, nullptr, out, nullptr, rows, in_f);
+    gemv_tc<TcSymG128, EPI_SILU_MUL_F16, 8, 4>(x, qweight, scales, nullptr, out, nullptr, rows, in_f);
 }
 extern "C" __global__ void __launch_bounds__(256) int4_gemv_bias_f16_tc_w8_u2(
     const f16_bits* x, const u32* qweight, const f16_bits* scales, const f16_bits* bias, f16_bits* out, int rows, int in_f) {
-    int4_gemv_tc<EPI_BIAS_F16, 8, 2>(x, qweight, scales, bias, out, nullptr, rows, in_f);
+    gemv_tc<TcSymG128, EPI_BIAS_F16, 8, 2>(x, qweight, scales, bias, out, nullptr, rows, in_f);
 }
 extern "C" __global__ void __launch_bounds__(256) int4_gemv_residual_f32_tc_w8_u2(
     const f16_bits* x, const u32* qweight, const f16_bits* scales, float* resid, int rows, int in_f) {
-    int4_gemv_tc<EPI_RESIDUAL_F32, 8, 2>(x, qweight, scales, nullptr, nullptr, resid, rows, in_f);
+    gemv_tc<TcSymG128, EPI_RESIDUAL_F32, 8, 2>(x, qweight, scales, nullptr, nullptr, resid, rows, in_f);
 }
 extern "C" __global__ void __launch_bounds__(256) int4_gemv_silu_mul_f16_tc_w8_u2(
     const f16_bits* x, const u32* qweight, const f16_bits* scales, f16_bits* out, int rows, int in_f) {
-    int4_gemv_tc<EPI_SILU_MUL_F16, 8, 2>(x, qweight, scales, nullptr, out, nullptr, rows, in_f);
+    gemv_tc<TcSymG128, EPI_SILU_MUL_F16, 8, 2>(x, qweight, scales, nullptr, out, nullptr, rows, in_f);
 }
 
 // ---- prefill path (T > 1): tensor cores, then these epilogues --------------------------------------

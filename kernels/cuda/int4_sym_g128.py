@@ -39,8 +39,8 @@ CHUNK_INPUTS = 32  # inputs of one 16-byte weight load (4-bit weights): the step
 VARIANTS = ("t64_r4", "t128_r4", "t128_r8", "t256_r8", "tc_w4_u4", "tc_w8_u4", "tc_w8_u2", "f64_r4", "f128_r4",
             "f128_r8", "f256_r8")
 # the fastest per op in the bench sweep on an H200 (bench/NOTES.md, v2); `nanoqwen bench` re-picks on its machine
-DEFAULT_CONFIG = {"qkv_proj": "tc_w8_u4", "o_proj_residual": "t128_r4", "gate_up_silu": "tc_w4_u4",
-                  "down_residual": "t128_r4"}
+DEFAULT_CONFIG = {"qkv_proj": "tc_w8_u2", "o_proj_residual": "tc_w8_u4", "gate_up_silu": "tc_w4_u4",
+                  "down_residual": "tc_w8_u4"}
 
 
 def specs(out_features: int, in_features: int) -> dict:
