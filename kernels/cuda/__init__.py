@@ -61,6 +61,8 @@ ATT_THREADS, ATT_MAX_ITEMS = _ATT["ATT_THREADS"], _ATT["ATT_MAX_ITEMS"]  # paged
 ATT_WARPS, ATT_MAX_GROUP = _ATT["ATT_WARPS"], _ATT["ATT_MAX_GROUP"]  # paged_attention_warp_d<D>
 ATT_WARP_HEAD_DIMS = (64, 128)
 COMBINE_THREADS, COMBINE_MAX_SPLITS = _ATT["COMBINE_THREADS"], _ATT["COMBINE_MAX_SPLITS"]  # attention_combine_f16
+_RMS = catalog.defines("rmsnorm.cu")
+RMS_THREADS, RMS_THREADS_ONE = _RMS["RMS_THREADS"], _RMS["RMS_THREADS_ONE"]  # rmsnorm_f32_f16's block, T > 1 / T = 1
 # "warp": paged_attention_warp_d<D> where it fits (head_dim 64 or 128, at most 8 query heads per KV
 # head), else "block"; "block": paged_attention_f16 always (the previous kernel, kept for any shape)
 ATTENTION_VARIANTS = ("warp", "block")
@@ -257,7 +259,8 @@ class CudaBackend(Backend):
         # decode attention: KV pages per block (split-K); None spreads the used pages over att_blocks
         # blocks, computed on the device from the current length (the split count is fixed per launch)
         self.pages_per_split = pages_per_split
-        self.att_blocks = 2 * cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["multiProcessorCount"]
+        self.sms = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["multiProcessorCount"]
+        self.att_blocks = 2 * self.sms
         self.attention_variant = "warp"  # one of ATTENTION_VARIANTS (bench and the variant tests set it)
         self.attention_prefill_variant = "tc"  # one of ATTENTION_PREFILL_VARIANTS
         # prefill kernel per format, for launchers that ship more than one (PREFILL_VARIANTS)
@@ -379,7 +382,8 @@ class CudaBackend(Backend):
             raise TypeError("x: expected fp32 rows with contiguous elements")
         _need(weight, np.float16, "weight"), _need(out, np.float16, "out")
         T, H = x.shape
-        self._k["rmsnorm_f32_f16"]((T,), (1024 if T == 1 else 256,), (x, weight, out, _i32(H), np.int64(x.strides[0] // 4), np.float32(eps)))
+        threads = RMS_THREADS_ONE if T == 1 else RMS_THREADS
+        self._k["rmsnorm_f32_f16"]((T,), (threads,), (x, weight, out, _i32(H), np.int64(x.strides[0] // 4), np.float32(eps)))
 
     def _rope_inv_freq(self, theta: float, d: int) -> cp.ndarray:
         key = (float(theta), d)
@@ -393,7 +397,10 @@ class CudaBackend(Backend):
         _need(k_pages, np.float16, "k_pages"), _need(v_pages, np.float16, "v_pages"), _need(q_out, np.float16, "q_out")
         T, nq, d = q_out.shape
         nkv = k_pages.shape[1]
-        blocks = max(1, min(16, -(-((nq + nkv) * d // 2) // 128)))
+        # a token's rotation pairs over up to 16 blocks of 128 threads, but no more blocks in all than 8 an SM:
+        # each block pays a chain of dependent loads (position, page, row) before its pairs (a 512-token
+        # prefill on an H200: 25.4 us a call at 16 blocks a token, 15.7 at 2; bench/NOTES.md v5)
+        blocks = max(1, min(16, -(-((nq + nkv) * d // 2) // 128), -(-8 * self.sms // T)))
         self._k["rope_kv_write_f16"]((T, blocks), (128,), (qkv, positions, self._rope_inv_freq(theta, d), k_pages, v_pages,
                                                    page_table, q_out, _i32(nq), _i32(nkv), _i32(d)))
 

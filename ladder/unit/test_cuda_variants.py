@@ -20,7 +20,9 @@
   split: splits past the length are empty; more used pages than splits) and on every page edge, decode
   and prefill; head layouts
   the warp kernel does not hold going to paged_attention_f16; rmsnorm reading rows
-  of a larger buffer; the captured decode graph following a wrapped op and its unwrapping, kept across
+  of a larger buffer, and on both sides of the row length it holds in registers (RMS_HELD elements a
+  thread; longer rows take its loop), for the decode step's one row and a prefill's rows; RoPE and the
+  KV write on prefills long enough that a token gets fewer blocks; the captured decode graph following a wrapped op and its unwrapping, kept across
   turning it off and on, and captured again for a changed backend setting.
 
 The comparisons are the unit rung's op checks (ladder/checks/ops.py): `check_*` against `reference.ops`
@@ -43,7 +45,7 @@ from fixtures.strategies import edge_strata
 from ladder.plugin import selected_formats
 from ladder.changes.sources import cuda_module
 from ladder.checks.edges import gemv_edges
-from ladder.checks.ops import check_attention, check_linear, quantized_and_read
+from ladder.checks.ops import check_attention, check_linear, check_rmsnorm, check_rope_kv_write, quantized_and_read
 
 # kernels/cuda/catalog.py's launchers (format -> variants, default config), read by file path: the package
 # kernels.cuda imports CuPy, and the cases are collected (and skip with a reason) where CuPy is missing
@@ -315,6 +317,25 @@ def test_attention_layouts_the_warp_kernel_does_not_hold_take_the_block_kernel(b
         for L, T in ((40, 1), (40, 6)):
             op = "attention_decode" if T == 1 else "attention_prefill"
             check_attention(backend, op, PagedCase.build(seed=L, L=L, T=T, nq=nq, nkv=nkv, d=d, layout="shuffled"))
+
+
+RMS = CATALOG.defines("rmsnorm.cu")  # rmsnorm_f32_f16: elements a thread holds, its blocks for T > 1 and T = 1
+
+
+@pytest.mark.parametrize("T,threads", [(1, RMS["RMS_THREADS_ONE"]), (3, RMS["RMS_THREADS"])], ids=["decode", "prefill"])
+def test_rmsnorm_on_both_sides_of_the_row_it_holds_in_registers(backend, T, threads):
+    """Rows of RMS_HELD x threads elements or fewer are held in registers, longer ones take the loop:
+    one short of, on and one past that length, with the block the launcher gives T rows."""
+    held = RMS["RMS_HELD"] * threads
+    for H in (held - 1, held, held + 1):
+        check_rmsnorm(backend, T, H, 1e-6, "normal", seed=H)
+
+
+@pytest.mark.parametrize("T", [200, 1100])
+def test_rope_kv_write_on_prefills_long_enough_for_fewer_blocks_a_token(backend, T):
+    """The launcher gives a token fewer blocks as T grows (no more than 8 an SM in all; on an H200's 132
+    SMs, 6 a token at 200 tokens and 1 at 1100), so each block's threads stride over more rotation pairs."""
+    check_rope_kv_write(backend, T, start=5, nkv=4, ratio=7, d=128, theta=1e6, layout="shuffled", seed=T)
 
 
 @pytest.mark.long
