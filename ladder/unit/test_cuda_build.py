@@ -1,5 +1,6 @@
-"""CPU-side guards for the CUDA backend: every `.cu` compiles for sm_90a, every launcher's kernels exist,
-and the CPU path never imports CuPy.
+"""CPU-side guards for the CUDA backend: every `.cu` compiles for sm_90a, every entry point that declares
+no `__launch_bounds__` uses few enough registers for any block (ptxas's report), every launcher's
+kernels exist, and the CPU path never imports CuPy.
 
 The compile test feeds nvcc exactly the text the loader gives NVRTC (the folder's headers inlined by
 kernels/cuda/loader.py), so a kernel that does not compile fails here, on a machine without a GPU,
@@ -143,6 +144,37 @@ def test_cu_compiles_for_sm90(module, tmp_path):
     ptx = (tmp_path / f"{module}.ptx").read_text()
     for name in LOADER.entry_points(module):
         assert f".entry {name}(" in ptx, f"entry point {name} missing from the PTX of {module}.cu"
+    _every_unbounded_entry_point_fits_any_block(module, tmp_path / f"{module}.ptx", arch)
+
+
+REGISTER_FILE = 65536  # 32-bit registers an SM (and a block) has on sm_90
+MAX_BLOCK = 1024
+
+
+def _every_unbounded_entry_point_fits_any_block(module: str, ptx: Path, arch: str) -> None:
+    """An entry point without `__launch_bounds__` may be launched with up to MAX_BLOCK threads; ptxas
+    does not know the block, so past REGISTER_FILE / MAX_BLOCK registers a thread such a launch fails on
+    the GPU alone ("too many resources requested for launch"). A kernel that needs more declares its
+    bounds, which ptxas then keeps. Read from ptxas's own report of the module's PTX."""
+    ptxas = shutil.which("ptxas") or str(Path(shutil.which("nvcc")).with_name("ptxas"))
+    res = subprocess.run([ptxas, f"-arch={arch}", "-v", str(ptx), "-o", str(ptx.with_suffix(".cubin"))],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, f"ptxas failed on {module}.cu:\n{res.stderr}"
+    used, entry = {}, None
+    for line in res.stderr.splitlines():
+        if m := re.search(r"Compiling entry function '(\w+)'", line):
+            entry = m.group(1)
+        elif (m := re.search(r"Used (\d+) registers", line)) and entry:
+            used[entry], entry = int(m.group(1)), None
+    src = LOADER.source(module)
+    for name in LOADER.entry_points(module):
+        definition = re.search(rf'extern "C"\s+__global__\s+void\s+(__launch_bounds__\([^)]*\)\s+)?{name}\s*\(', src)
+        assert definition, f"{module}.cu: the definition of {name} not found"
+        assert name in used, f"ptxas reported no registers for {name} ({module}.cu)"
+        if definition.group(1) is None:
+            assert used[name] * MAX_BLOCK <= REGISTER_FILE, (
+                f"{module}.cu: {name} uses {used[name]} registers a thread and declares no __launch_bounds__: "
+                f"a block of {MAX_BLOCK} threads would not launch; declare the block it is launched with")
 
 
 def test_cpu_path_does_not_import_cupy():
