@@ -229,6 +229,17 @@ def run_protocol(model, prompt, new_tokens):
     return out
 
 
+def _as_type_of(old, value: str, name: str):
+    """A --before-set value as the type of the knob's current one where that is a number (att_blocks=528
+    is the int 528); strings and the knobs that read strings themselves (pdl) take the text as given."""
+    if isinstance(old, bool) or not isinstance(old, (int, float)):
+        return value
+    try:
+        return type(old)(value)
+    except ValueError:
+        raise SystemExit(f"nanoqwen bench: --before-set {name}={value!r}: expected {type(old).__name__}") from None
+
+
 @contextlib.contextmanager
 def backend_settings(be, spec: str):
     """Set backend knobs from "name=value,name.key=value" for the block (restored after); yields them.
@@ -247,8 +258,9 @@ def backend_settings(be, spec: str):
                 saved.append((table, key, table.get(key)))
                 table[key] = value
             else:
-                saved.append((be, attr, getattr(be, attr)))
-                setattr(be, attr, value)
+                old = getattr(be, attr)
+                saved.append((be, attr, old))
+                setattr(be, attr, _as_type_of(old, value, name))
             settings[name] = value
         yield settings
     finally:
@@ -426,9 +438,12 @@ def bench_first_format(model, prompt, args, results) -> dict:
         results["gemv_sweep"] = sweep_gemv(model, seq, first)
         print_sweep(results["gemv_sweep"])
         results["attention_sweep"] = sweep_attention(model, seq, first)
-        vs = ", ".join(f"{k} {v['ms'] * 1e3:.1f}us{'' if v['ok'] else ' WRONG'}"
-                       for k, v in results["attention_sweep"]["variants"].items())
-        print(f"  sweep attention_decode   chosen {results['attention_sweep']['chosen']}: {vs}", flush=True)
+        att = results["attention_sweep"]
+        vs = ", ".join(f"{k} {v['ms'] * 1e3:.1f}us{'' if v['ok'] else ' WRONG'}" for k, v in att["variants"].items())
+        bs = ", ".join(f"{k} refused" if "error" in v else f"{k} {v['ms'] * 1e3:.1f}us{'' if v['ok'] else ' WRONG'}"
+                       for k, v in att["att_blocks"].items())
+        print(f"  sweep attention_decode   chosen {att['chosen']}: {vs}; att_blocks chosen {att['chosen_att_blocks']}: {bs}",
+              flush=True)
         print(f"  sweeps done ({time.perf_counter() - t0:.1f} s)", flush=True)
     results["gemv_config"] = dict(model.backend.gemv_config)
     results["attention_variant"] = model.backend.attention_variant

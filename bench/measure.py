@@ -261,10 +261,17 @@ def sweep_gemv(model, seq, token):
     return result
 
 
+ATT_BLOCKS_PER_SM = (2, 4, 8)  # decode attention's block budget (backend.att_blocks) the sweep tries, per SM
+
+
 def sweep_attention(model, seq, token):
     """Time every decode-attention kernel of the backend (ATTENTION_VARIANTS) over all layers at this
     context, check each against reference/ops.py with the ladder's tolerance (TOL["attention"]), keep
-    the fastest that passes. Returns {"chosen", "variants": {name: {ms, max_abs_err, bound, ok, kernel}}}."""
+    the fastest that passes. Then, with that kernel, the block budget of its split (`att_blocks`: the
+    splits spread the used pages over about that many blocks) at ATT_BLOCKS_PER_SM blocks an SM, each
+    checked the same way; the fastest that passes is kept. Returns {"chosen", "variants": {name: {ms,
+    max_abs_err, bound, ok, kernel}}, "att_blocks": {blocks: {ms, max_abs_err, bound, ok}},
+    "chosen_att_blocks"}."""
     from kernels.cuda import ATTENTION_VARIANTS
     from ladder.judges.compare import measure
     from reference import ops as ref_ops
@@ -280,19 +287,30 @@ def sweep_attention(model, seq, token):
     host = [be.to_numpy(a) for a in (ws.q, model.cache.k[0], model.cache.v[0], seq.page_table, ws.positions)]
     ref = ref_ops.ref_paged_attention(*host)
     plain = ref_ops.ref_paged_attention(*host, dtype=np.float32).astype(np.float16)
-    default, result = be.attention_variant, {}
-    for var in ATTENTION_VARIANTS:
-        be.attention_variant = var
+    def timed() -> dict:
         calls["attention_decode"](0)
         out = be.to_numpy(ws.attn).reshape(ref.shape)
         check = measure(out, ref, plain, ("attention", "float16"))
         ms = time_graph(lambda: [calls["attention_decode"](i) for i in range(L)]) / L
-        result[var] = {"ms": ms, "max_abs_err": check["max_abs"], "bound": check["bound"], "ok": check["passed"],
-                       "kernel": be.attention_kernel(c.num_attention_heads, c.num_key_value_heads, c.head_dim)}
+        return {"ms": ms, "max_abs_err": check["max_abs"], "bound": check["bound"], "ok": check["passed"]}
+
+    default, result = be.attention_variant, {}
+    for var in ATTENTION_VARIANTS:
+        be.attention_variant = var
+        result[var] = {**timed(), "kernel": be.attention_kernel(c.num_attention_heads, c.num_key_value_heads, c.head_dim)}
     best = min((v for v in ATTENTION_VARIANTS if result[v]["ok"]), key=lambda v: result[v]["ms"], default=default)
     be.attention_variant = best
+    shipped, budgets = be.att_blocks, {}
+    for per_sm in ATT_BLOCKS_PER_SM:
+        be.att_blocks = per_sm * be.sms
+        try:
+            budgets[be.att_blocks] = timed()
+        except ValueError as e:  # the launcher refuses a split count past the combine kernel's
+            budgets[be.att_blocks] = {"ms": float("nan"), "max_abs_err": None, "bound": None, "ok": False, "error": str(e)}
+    fits = [b for b, r in budgets.items() if r["ok"]]
+    be.att_blocks = min(fits, key=lambda b: budgets[b]["ms"], default=shipped)
     ws.residual[...] = saved
-    return {"chosen": best, "variants": result}
+    return {"chosen": best, "variants": result, "att_blocks": budgets, "chosen_att_blocks": be.att_blocks}
 
 
 def prefill_table(model, prompt):

@@ -1,7 +1,8 @@
 // gemv_rows.cuh: the decode GEMV body shared by the row-major formats (int8_sym_channel.cu,
 // fp8_e4m3_channel.cu, int4_asym_g128.cu), parameterised by a small per-format decoder D, plus the
-// decoders' unpack helpers (int4_asym_g128's dequantize kernel and its tensor-core GEMV use them too, so
-// its every path reads a weight the same way; fp8's dequantize uses the same hardware conversion).
+// decoders' unpack helpers (int4_asym_g128's dequantize kernel uses them too and its tensor-core GEMV,
+// gemv_tc.cuh, the same common.cuh int4_pair, so its every path reads a weight the same way; fp8's
+// dequantize uses the same hardware conversion).
 //
 // The work split is int4_sym_g128.cu's CUDA-core kernel: a block of THREADS threads owns R accumulator
 // rows (gate/up: R/2 gate rows and the same R/2 up rows) across the WHOLE input dimension (split-K

@@ -53,6 +53,32 @@ def test_quant_takes_all_or_a_list_in_order_once_each_and_refuses_the_rest():
     assert "an empty item in 'int4_sym_g128,,nope'" in got["bad"]["int4_sym_g128,,nope"][1]
 
 
+def test_before_set_gives_a_numeric_knob_its_type_and_restores_every_knob():
+    """`--before-set att_blocks=528` must set the int 528 (the launcher does arithmetic with it), a text
+    knob keeps the text, a table entry is set by key, everything is restored after the block, and a value
+    that is not a number for a numeric knob is refused with a line naming it."""
+    got = json.loads(in_bench("""
+        import json, types
+        be = types.SimpleNamespace(att_blocks=264, pdl="on", gemv_config={"int4_sym_g128": {"down_residual": "tc_w8_u4"}})
+        with decode_bench.backend_settings(be, "att_blocks=528,pdl=off,gemv_config.int4_sym_g128=x") as settings:
+            inside = [be.att_blocks, type(be.att_blocks).__name__, be.pdl, be.gemv_config["int4_sym_g128"]]
+        after = [be.att_blocks, be.pdl, be.gemv_config["int4_sym_g128"]]
+        try:
+            with decode_bench.backend_settings(be, "att_blocks=lots"):
+                pass
+            refused = None
+        except SystemExit as e:
+            refused = str(e)
+        print(json.dumps({"inside": inside, "after": after, "settings": settings, "refused": refused,
+                          "restored": be.att_blocks}))
+    """))
+    assert got["inside"] == [528, "int", "off", "x"]
+    assert got["after"] == [264, "on", {"down_residual": "tc_w8_u4"}]
+    assert got["settings"] == {"att_blocks": "528", "pdl": "off", "gemv_config.int4_sym_g128": "x"}
+    assert got["refused"] == "nanoqwen bench: --before-set att_blocks='lots': expected int"
+    assert got["restored"] == 264
+
+
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_the_benchs_torch_reading_of_every_format_is_the_references_to_the_bit(fmt):
     """The bench's float32 check dequantizes on the GPU in torch (bench/decode_bench.py torch_dequant);
