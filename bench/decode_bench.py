@@ -230,9 +230,15 @@ def run_protocol(model, prompt, new_tokens):
 
 
 def _as_type_of(old, value: str, name: str):
-    """A --before-set value as the type of the knob's current one where that is a number (att_blocks=528
-    is the int 528); strings and the knobs that read strings themselves (pdl) take the text as given."""
-    if isinstance(old, bool) or not isinstance(old, (int, float)):
+    """A --before-set value as the type of the knob's current one where that is a number or a switch
+    (att_blocks=528 is the int 528, rmsnorm_held=off the bool False); strings and the knobs that read
+    strings themselves (pdl) take the text as given."""
+    if isinstance(old, bool):
+        word = value.strip().lower()
+        if word not in ("on", "off", "true", "false", "1", "0"):
+            raise SystemExit(f"nanoqwen bench: --before-set {name}={value!r}: expected on or off")
+        return word in ("on", "true", "1")
+    if not isinstance(old, (int, float)):
         return value
     try:
         return type(old)(value)

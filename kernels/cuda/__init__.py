@@ -263,6 +263,10 @@ class CudaBackend(Backend):
         self.att_blocks = 2 * self.sms
         self.attention_variant = "warp"  # one of ATTENTION_VARIANTS (bench and the variant tests set it)
         self.attention_prefill_variant = "tc"  # one of ATTENTION_PREFILL_VARIANTS
+        # rmsnorm: rows of up to RMS_HELD x its block held in registers (True), or its strided loop at any length
+        self.rmsnorm_held = True
+        # RoPE and the KV write: no more blocks in all than this many an SM on a long prefill (0: 16 a token)
+        self.rope_blocks_per_sm = 8
         # prefill kernel per format, for launchers that ship more than one (PREFILL_VARIANTS)
         self.prefill_variant = dict(DEFAULT_PREFILL)
         # GEMV variant per format and op (bench and the variant tests set entries; each launcher's
@@ -383,7 +387,8 @@ class CudaBackend(Backend):
         _need(weight, np.float16, "weight"), _need(out, np.float16, "out")
         T, H = x.shape
         threads = RMS_THREADS_ONE if T == 1 else RMS_THREADS
-        self._k["rmsnorm_f32_f16"]((T,), (threads,), (x, weight, out, _i32(H), np.int64(x.strides[0] // 4), np.float32(eps)))
+        self._k["rmsnorm_f32_f16"]((T,), (threads,), (x, weight, out, _i32(H), np.int64(x.strides[0] // 4), np.float32(eps),
+                                                      _i32(1 if self.rmsnorm_held else 0)))
 
     def _rope_inv_freq(self, theta: float, d: int) -> cp.ndarray:
         key = (float(theta), d)
@@ -397,10 +402,12 @@ class CudaBackend(Backend):
         _need(k_pages, np.float16, "k_pages"), _need(v_pages, np.float16, "v_pages"), _need(q_out, np.float16, "q_out")
         T, nq, d = q_out.shape
         nkv = k_pages.shape[1]
-        # a token's rotation pairs over up to 16 blocks of 128 threads, but no more blocks in all than 8 an SM:
-        # each block pays a chain of dependent loads (position, page, row) before its pairs (a 512-token
-        # prefill on an H200: 25.4 us a call at 16 blocks a token, 15.7 at 2; bench/NOTES.md v5)
-        blocks = max(1, min(16, -(-((nq + nkv) * d // 2) // 128), -(-8 * self.sms // T)))
+        # a token's rotation pairs over up to 16 blocks of 128 threads, but no more blocks in all than
+        # rope_blocks_per_sm an SM: each block pays a chain of dependent loads (position, page, row) before
+        # its pairs (a 512-token prefill on an H200: 25.4 us a call at 16 blocks a token, 15.7 at 2 in
+        # another run; not yet timed in one run, bench/NOTES.md v5)
+        cap = -(-self.rope_blocks_per_sm * self.sms // T) if self.rope_blocks_per_sm > 0 else 16
+        blocks = max(1, min(16, -(-((nq + nkv) * d // 2) // 128), cap))
         self._k["rope_kv_write_f16"]((T, blocks), (128,), (qkv, positions, self._rope_inv_freq(theta, d), k_pages, v_pages,
                                                    page_table, q_out, _i32(nq), _i32(nkv), _i32(d)))
 

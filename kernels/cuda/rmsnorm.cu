@@ -7,7 +7,7 @@
 // threads' sums (deterministic, no atomics).
 //
 // Rows up to RMS_HELD * blockDim.x long (the 7B's 3584 at 256 threads: 14 a thread) are held in
-// registers: every load of the row is issued at once (one trip of memory latency, not one per
+// registers (unless the launcher passes held = 0, CudaBackend.rmsnorm_held off): every load of the row is issued at once (one trip of memory latency, not one per
 // element), the weight's before pdl_wait (no kernel of the step writes it), and the second pass reads
 // the registers. Measured on an H200 at 512 tokens of the 7B (bench/NOTES.md, v5): 19.7 us a call with
 // the loop that loads one element an iteration, 13.1 held. Longer rows take that loop. Both give the
@@ -20,13 +20,15 @@
 #define RMS_THREADS_ONE 1024 // ... and for the one row of a decode step (T = 1)
 
 // __launch_bounds__: the decode step's block is 1024 threads, so a thread gets 64 registers at most.
-extern "C" __global__ void __launch_bounds__(RMS_THREADS_ONE) rmsnorm_f32_f16(const float* __restrict__ x, const f16_bits* __restrict__ weight,
-                                           f16_bits* __restrict__ out, int H, long long x_row_stride, float eps) {
+// held: 0 takes the loop at any H (the backend's `rmsnorm_held` off, so that the bench can time both).
+extern "C" __global__ void __launch_bounds__(RMS_THREADS_ONE)
+rmsnorm_f32_f16(const float* __restrict__ x, const f16_bits* __restrict__ weight, f16_bits* __restrict__ out, int H,
+                long long x_row_stride, float eps, int held) {
     __shared__ float scratch[WARP];
     const int t = blockIdx.x, n = blockDim.x;
     const float* xr = x + (size_t)t * x_row_stride;  // x may be a row slice of a wider residual buffer
     f16_bits* o = out + (size_t)t * H;
-    if (H <= RMS_HELD * n) {
+    if (held && H <= RMS_HELD * n) {
         f16_bits w[RMS_HELD];
 #pragma unroll
         for (int j = 0; j < RMS_HELD; ++j) {

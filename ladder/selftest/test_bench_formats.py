@@ -54,29 +54,34 @@ def test_quant_takes_all_or_a_list_in_order_once_each_and_refuses_the_rest():
 
 
 def test_before_set_gives_a_numeric_knob_its_type_and_restores_every_knob():
-    """`--before-set att_blocks=528` must set the int 528 (the launcher does arithmetic with it), a text
-    knob keeps the text, a table entry is set by key, everything is restored after the block, and a value
-    that is not a number for a numeric knob is refused with a line naming it."""
+    """`--before-set att_blocks=528` must set the int 528 (the launcher does arithmetic with it) and
+    `rmsnorm_held=off` the bool False (the text "off" would be true), a text knob keeps the text, a table
+    entry is set by key, everything is restored after the block, and a value that is not a number (or
+    not on/off) for such a knob is refused with a line naming it."""
     got = json.loads(in_bench("""
         import json, types
-        be = types.SimpleNamespace(att_blocks=264, pdl="on", gemv_config={"int4_sym_g128": {"down_residual": "tc_w8_u4"}})
-        with decode_bench.backend_settings(be, "att_blocks=528,pdl=off,gemv_config.int4_sym_g128=x") as settings:
-            inside = [be.att_blocks, type(be.att_blocks).__name__, be.pdl, be.gemv_config["int4_sym_g128"]]
-        after = [be.att_blocks, be.pdl, be.gemv_config["int4_sym_g128"]]
-        try:
-            with decode_bench.backend_settings(be, "att_blocks=lots"):
-                pass
-            refused = None
-        except SystemExit as e:
-            refused = str(e)
+        be = types.SimpleNamespace(att_blocks=264, pdl="on", rmsnorm_held=True,
+                                   gemv_config={"int4_sym_g128": {"down_residual": "tc_w8_u4"}})
+        spec = "att_blocks=528,pdl=off,rmsnorm_held=off,gemv_config.int4_sym_g128=x"
+        with decode_bench.backend_settings(be, spec) as settings:
+            inside = [be.att_blocks, type(be.att_blocks).__name__, be.pdl, be.rmsnorm_held, be.gemv_config["int4_sym_g128"]]
+        after = [be.att_blocks, be.pdl, be.rmsnorm_held, be.gemv_config["int4_sym_g128"]]
+        refused = {}
+        for bad in ("att_blocks=lots", "rmsnorm_held=maybe"):
+            try:
+                with decode_bench.backend_settings(be, bad):
+                    pass
+            except SystemExit as e:
+                refused[bad] = str(e)
         print(json.dumps({"inside": inside, "after": after, "settings": settings, "refused": refused,
-                          "restored": be.att_blocks}))
+                          "restored": [be.att_blocks, be.rmsnorm_held]}))
     """))
-    assert got["inside"] == [528, "int", "off", "x"]
-    assert got["after"] == [264, "on", {"down_residual": "tc_w8_u4"}]
-    assert got["settings"] == {"att_blocks": "528", "pdl": "off", "gemv_config.int4_sym_g128": "x"}
-    assert got["refused"] == "nanoqwen bench: --before-set att_blocks='lots': expected int"
-    assert got["restored"] == 264
+    assert got["inside"] == [528, "int", "off", False, "x"]
+    assert got["after"] == [264, "on", True, {"down_residual": "tc_w8_u4"}]
+    assert got["settings"] == {"att_blocks": "528", "pdl": "off", "rmsnorm_held": "off", "gemv_config.int4_sym_g128": "x"}
+    assert got["refused"] == {"att_blocks=lots": "nanoqwen bench: --before-set att_blocks='lots': expected int",
+                              "rmsnorm_held=maybe": "nanoqwen bench: --before-set rmsnorm_held='maybe': expected on or off"}
+    assert got["restored"] == [264, True]
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
