@@ -113,10 +113,12 @@ __device__ __forceinline__ u32 zero_pair(u32 scale_zero) {
     return z;
 }
 
-// q[k] = half2 (element 2k - 8, element 2k+1 - 8) of `word`, k = 0..3.
-__device__ __forceinline__ void unpack_int4_pairs(u32 word, u32 (&q)[4]) {
+// q[k] = half2 (element 2k - z, element 2k+1 - z) of `word`, k = 0..3, where zz = half2 (1024 + z, 1024 + z):
+// int4_sym_g128's fixed z = 8 by default, or an int4_asym_g128 group's zero point (zero_pair); q - z is
+// exact in fp16 (-15 .. 15).
+__device__ __forceinline__ void unpack_int4_pairs(u32 word, u32 (&q)[4], u32 zz = SYM_ZERO_PAIR) {
 #pragma unroll
-    for (int k = 0; k < 4; ++k) q[k] = int4_pair(word, k);
+    for (int k = 0; k < 4; ++k) q[k] = int4_pair(word, k, zz);
 }
 
 // fp32 dot product of 8 fp16 weights (4 words) with 8 fp16 activations (4 words).

@@ -82,6 +82,8 @@ struct TcBatch {
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 u32 ql[4], qh[4];
+                // unpack_int4_pairs (common.cuh) per row, interleaved: two calls give the same values in
+                // another instruction order, not the code the GPU measured (nvcc 13.0: other cubin bytes)
 #pragma unroll
                 for (int k = 0; k < 4; ++k) {
                     ql[k] = int4_pair(lw[j], k, zl);

@@ -24,16 +24,6 @@
 #include "int4_wgmma.cuh"
 #include "gemv_tc.cuh"
 
-// ---- unpack helpers --------------------------------------------------------------------------------
-
-// q[k] = half2 (element 2k - z, element 2k+1 - z) of a ValueShuffle word (int4_sym_g128's nibble order,
-// common.cuh): (word >> 4k) & 0x000F000F | 0x64006400 is the half2 (1024 + q_2k, 1024 + q_2k+1), and
-// subtracting zz = half2 (1024 + z, 1024 + z) leaves q - z exactly (-15 .. 15).
-__device__ __forceinline__ void unpack_int4_pairs_zero(u32 word, u32 zz, u32 (&q)[4]) {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) q[k] = int4_pair(word, k, zz);  // common.cuh
-}
-
 
 // ---- the decoder of gemv_rows.cuh -------------------------------------------------------------------
 
@@ -54,7 +44,7 @@ struct DecodeInt4AsymG128 {
 #pragma unroll
         for (int j = 0; j < 4; ++j) {  // word j holds elements 8j .. 8j+7 of the chunk
             u32 q[4];
-            unpack_int4_pairs_zero(words[j], zz, q);
+            unpack_int4_pairs(words[j], q, zz);
 #pragma unroll
             for (int k = 0; k < 4; ++k) p = fma_pair(q[k], xf[8 * j + 2 * k], xf[8 * j + 2 * k + 1], p);
         }
@@ -177,7 +167,7 @@ extern "C" __global__ void int4_asym_g128_dequant_f32(const u32* qweight, const 
         const u32 sz = scale_zero[row * groups + word / 16];
         const float s = h2f((f16_bits)(sz & 0xFFFFu));
         u32 q[4];
-        unpack_int4_pairs_zero(qweight[i], zero_pair(sz), q);
+        unpack_int4_pairs(qweight[i], q, zero_pair(sz));
         float* out = w + row * in_f + 8 * word;
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
