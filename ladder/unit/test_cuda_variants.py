@@ -231,11 +231,11 @@ ATTENTION_VARIANTS = ("warp", "block")  # kernels/cuda/__init__.py ATTENTION_VAR
 
 
 @contextlib.contextmanager
-def _attention_setting(backend, **values):
-    """The backend's attention knobs set for the block, restored after; skips on a backend without them."""
+def _backend_setting(backend, **values):
+    """The backend's knobs set for the block, restored after; skips on a backend without them."""
     missing = [k for k in values if not hasattr(backend, k)]
     if missing:
-        pytest.skip(f"the backend has no {', '.join(missing)}: nothing to choose in its attention")
+        pytest.skip(f"the backend has no {', '.join(missing)}: nothing to choose there")
     saved = {k: getattr(backend, k) for k in values}
     for k, v in values.items():
         setattr(backend, k, v)
@@ -251,7 +251,7 @@ def _attention_setting(backend, **values):
 def test_attention_decode_with_fixed_split_sizes(backend, variant, pages_per_split):
     """Each attention kernel with one page per split (splits past the length are empty), eight, and the
     dynamic spread; 600 keys put several pages on each warp of the warp kernel."""
-    with _attention_setting(backend, pages_per_split=pages_per_split, attention_variant=variant):
+    with _backend_setting(backend, pages_per_split=pages_per_split, attention_variant=variant):
         for L, nkv, ratio, d in ((33, 2, 1, 64), (33, 2, 7, 128), (600, 4, 7, 128), (1000, 1, 8, 64)):
             case = PagedCase.build(seed=L, L=L, T=1, nq=nkv * ratio, nkv=nkv, d=d, layout="shuffled")
             check_attention(backend, "attention_decode", case)
@@ -263,7 +263,7 @@ def test_attention_decode_spreads_more_pages_than_splits(backend, variant):
     makes one to four splits per KV head, so a split spans many pages and the last one fewer (3 pages over
     2 splits: 2 and 1). On an H200 the dynamic spread gives the block kernel a split per page, so without
     this case a wrong span size went unseen (the nightly's fixed sample, seed 0)."""
-    with _attention_setting(backend, pages_per_split=None, attention_variant=variant, att_blocks=4):
+    with _backend_setting(backend, pages_per_split=None, attention_variant=variant, att_blocks=4):
         for L, nkv, ratio, d in ((33, 2, 1, 64), (250, 2, 3, 64), (600, 4, 7, 128), (1000, 1, 8, 64)):
             case = PagedCase.build(seed=L + 7, L=L, T=1, nq=nkv * ratio, nkv=nkv, d=d, layout="shuffled")
             check_attention(backend, "attention_decode", case)
@@ -274,7 +274,7 @@ def test_attention_decode_spreads_more_pages_than_splits(backend, variant):
 def test_attention_variant_at_every_page_edge(backend, variant, L):
     """Both kernels, decode and a 5-token prefill chunk, on every page edge: a page that holds 1, 15 or
     16 valid slots, on one warp or several."""
-    with _attention_setting(backend, attention_variant=variant, attention_prefill_variant=variant):
+    with _backend_setting(backend, attention_variant=variant, attention_prefill_variant=variant):
         for nkv, ratio, d in ((2, 2, 64), (4, 7, 128)):
             check_attention(backend, "attention_decode",
                              PagedCase.build(seed=L, L=L, T=1, nq=nkv * ratio, nkv=nkv, d=d, layout="shuffled"))
@@ -288,7 +288,7 @@ def test_attention_prefill_kernels_are_causal_at_every_tile_and_page_edge(backen
     """Each prefill kernel on prompts that end on, before and past its tiles (the tensor-core kernel's
     qt = 64 / group tokens) and pages, chunks after a cached prefix, head groups that do not divide 64
     (rows left over in a tile), and the 7B layout over 300 keys with scores of std 64."""
-    with _attention_setting(backend, attention_prefill_variant=variant):
+    with _backend_setting(backend, attention_prefill_variant=variant):
         cases = [
             dict(L=2, T=2, nq=2, nkv=1, d=64, layout="contiguous"),
             dict(L=9, T=9, nq=28, nkv=4, d=128, layout="shuffled"),      # one full tile of 9 tokens (group 7)
@@ -312,7 +312,7 @@ def test_attention_layouts_the_warp_kernel_does_not_hold_take_the_block_kernel(b
     """9 query heads per KV head, or a head_dim other than 64 and 128: the warp kernel's registers do not
     hold them, so the backend runs paged_attention_f16, and the answer is still right. A head_dim that is
     not a multiple of 8 (36) takes that kernel's scalar loads of K and V instead of its 16-byte ones."""
-    with _attention_setting(backend, attention_variant="warp"):
+    with _backend_setting(backend, attention_variant="warp"):
         assert backend.attention_kernel(nq, nkv, d) == "paged_attention_f16"
         for L, T in ((40, 1), (40, 6)):
             op = "attention_decode" if T == 1 else "attention_prefill"
@@ -328,19 +328,11 @@ def test_rmsnorm_on_both_sides_of_the_row_it_holds_in_registers(backend, T, thre
     """Rows of RMS_HELD x threads elements or fewer are held in registers, longer ones take the loop:
     one short of, on and one past that length, with the block the launcher gives T rows; and the same
     lengths with `rmsnorm_held` off (the loop at every length, the path the bench times it against)."""
-    if not hasattr(backend, "rmsnorm_held"):
-        if not held:
-            pytest.skip(f"backend {backend.name} has one rmsnorm (no rmsnorm_held knob)")
-        saved = None
-    else:
-        saved, backend.rmsnorm_held = backend.rmsnorm_held, held
-    try:
+    knob = {"rmsnorm_held": held} if hasattr(backend, "rmsnorm_held") or not held else {}  # one rmsnorm: held runs it
+    with _backend_setting(backend, **knob):
         length = RMS["RMS_HELD"] * threads
         for H in (length - 1, length, length + 1):
             check_rmsnorm(backend, T, H, 1e-6, "normal", seed=H)
-    finally:
-        if saved is not None:
-            backend.rmsnorm_held = saved
 
 
 @pytest.mark.parametrize("T", [200, 1100])
@@ -348,15 +340,11 @@ def test_rope_kv_write_on_prefills_long_enough_for_fewer_blocks_a_token(backend,
     """The launcher gives a token fewer blocks as T grows (no more than `rope_blocks_per_sm` an SM in all,
     8 by default; on an H200's 132 SMs, 6 a token at 200 tokens and 1 at 1100), so each block's threads
     stride over more rotation pairs; and with the knob at 0, 16 blocks a token at the same lengths."""
-    per_sm = (getattr(backend, "rope_blocks_per_sm"), 0) if hasattr(backend, "rope_blocks_per_sm") else (None,)
-    for value in per_sm:
-        if value is not None:
-            saved, backend.rope_blocks_per_sm = backend.rope_blocks_per_sm, value
-        try:
+    knobs = [{"rope_blocks_per_sm": backend.rope_blocks_per_sm}, {"rope_blocks_per_sm": 0}] \
+        if hasattr(backend, "rope_blocks_per_sm") else [{}]
+    for knob in knobs:
+        with _backend_setting(backend, **knob):
             check_rope_kv_write(backend, T, start=5, nkv=4, ratio=7, d=128, theta=1e6, layout="shuffled", seed=T)
-        finally:
-            if value is not None:
-                backend.rope_blocks_per_sm = saved
 
 
 @pytest.mark.long
