@@ -41,6 +41,7 @@ import numpy as np
 
 from bench.measure import (build_model, copy_rate, per_kernel_table, prefill_table, prefilled, step_bytes,
                            sweep_attention, sweep_gemv)
+from kernels.base import switch_value
 
 ROOT = Path(__file__).resolve().parents[1]
 GROUP = 128
@@ -234,10 +235,10 @@ def _as_type_of(old, value: str, name: str):
     (att_blocks=528 is the int 528, rmsnorm_held=off the bool False); strings and the knobs that read
     strings themselves (pdl) take the text as given."""
     if isinstance(old, bool):
-        word = value.strip().lower()
-        if word not in ("on", "off", "true", "false", "1", "0"):
-            raise SystemExit(f"nanoqwen bench: --before-set {name}={value!r}: expected on or off")
-        return word in ("on", "true", "1")
+        try:
+            return switch_value(value, name)
+        except ValueError:
+            raise SystemExit(f"nanoqwen bench: --before-set {name}={value!r}: expected on or off") from None
     if not isinstance(old, (int, float)):
         return value
     try:

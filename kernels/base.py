@@ -49,6 +49,18 @@ class QuantizedWeight:
         return self.tensors[key]
 
 
+SWITCH_WORDS = {"on": True, "true": True, "1": True, "off": False, "false": False, "0": False}
+
+
+def switch_value(text: str, what: str) -> bool:
+    """A backend switch given as text (`pdl`, `--before-set rmsnorm_held=off`): on/true/1 or off/false/0,
+    any case; anything else is a ValueError naming `what`."""
+    word = text.strip().lower()
+    if word not in SWITCH_WORDS:
+        raise ValueError(f"{what} {text!r} is not one of on, off")
+    return SWITCH_WORDS[word]
+
+
 class Backend(abc.ABC):
     """One device's implementation of docs/BACKEND.md. Every op writes into a caller-allocated output."""
 

@@ -39,7 +39,7 @@ import re
 
 import numpy as np
 
-from kernels.base import Backend, BackendUnavailableError, FormatNotSupportedError, QuantizedWeight
+from kernels.base import Backend, BackendUnavailableError, FormatNotSupportedError, QuantizedWeight, switch_value
 
 try:
     import cupy as cp
@@ -224,10 +224,7 @@ class CudaBackend(Backend):
     @pdl.setter
     def pdl(self, value) -> None:
         if isinstance(value, str):
-            word = value.strip().lower()
-            if word not in ("on", "off", "true", "false", "1", "0"):
-                raise ValueError(f"pdl {value!r} is not one of on, off")
-            value = word in ("on", "true", "1")
+            value = switch_value(value, "pdl")
         loader.PDL["on"] = bool(value)
 
     def launch_settings(self) -> tuple:
