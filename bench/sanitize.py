@@ -114,13 +114,23 @@ def run_ops(be, say=lambda line: print(line, flush=True)) -> None:
             ops.check_linear_residual(be, fmt, "down_residual", T, 256, 136, seed=1)
         run_gemv_tails(be, fmt, say)
     on_examples(ops.check_rope_kv_write, dict(T=20, start=8190, nkv=4, ratio=2, d=64, theta=1e4, layout="sparse", seed=3))
-    for nq, nkv, d in ((2, 2, 64), (14, 2, 128)):
-        for L, T in ((17, 1), (17, 17)):
-            ops.check_attention(be, "attention_decode" if T == 1 else "attention_prefill",
-                                PagedCase.build(seed=L, L=L, T=T, nq=nq, nkv=nkv, d=d, layout="shuffled"))
-    if hasattr(be, "pages_per_split"):
-        be.pages_per_split = 1  # split-K with empty splits and the combine
-    ops.check_attention_decode(be, PagedCase.build(seed=33, L=33, T=1, nq=14, nkv=2, d=128, layout="sparse"))
+    # every decode-attention kernel the backend ships (ATTENTION_VARIANTS of its module); the knobs as shipped after
+    knobs = ("attention_variant", "pages_per_split")
+    shipped = {k: getattr(be, k) for k in knobs if hasattr(be, k)}
+    settings = [{"attention_variant": v} for v in getattr(sys.modules[type(be).__module__], "ATTENTION_VARIANTS", ())]
+    for setting in settings or [{}]:
+        for k, v in {**shipped, **setting}.items():
+            setattr(be, k, v)
+        say(f"SANITIZE-CHILD attention {setting or ''}")
+        for nq, nkv, d in ((2, 2, 64), (14, 2, 128)):
+            for L, T in ((17, 1), (17, 17)):
+                ops.check_attention(be, "attention_decode" if T == 1 else "attention_prefill",
+                                    PagedCase.build(seed=L, L=L, T=T, nq=nq, nkv=nkv, d=d, layout="shuffled"))
+        if hasattr(be, "pages_per_split"):
+            be.pages_per_split = 1  # split-K with empty splits and the combine
+        ops.check_attention_decode(be, PagedCase.build(seed=33, L=33, T=1, nq=14, nkv=2, d=128, layout="sparse"))
+    for k, v in shipped.items():
+        setattr(be, k, v)
     on_examples(ops.check_lm_head, dict(V=4096, H=256, seed=1))
     from ladder.changes.sources import cuda_module  # the catalog by file path: no CuPy on the NumPy backend
     from ladder.checks.edges import lm_head_tail

@@ -63,9 +63,10 @@ ATT_WARP_HEAD_DIMS = (64, 128)
 COMBINE_THREADS, COMBINE_MAX_SPLITS = _ATT["COMBINE_THREADS"], _ATT["COMBINE_MAX_SPLITS"]  # attention_combine_f16
 _RMS = catalog.defines("rmsnorm.cu")
 RMS_THREADS, RMS_THREADS_ONE = _RMS["RMS_THREADS"], _RMS["RMS_THREADS_ONE"]  # rmsnorm_f32_f16's block, T > 1 / T = 1
-# "warp": paged_attention_warp_d<D> where it fits (head_dim 64 or 128, at most 8 query heads per KV
-# head), else "block"; "block": paged_attention_f16 always (the previous kernel, kept for any shape)
-ATTENTION_VARIANTS = ("warp", "block")
+# "tc": paged_attention_tc_d<D> (both products of a page on the tensor cores) where the warp kernel
+# fits; "warp": paged_attention_warp_d<D> where it fits (head_dim 64 or 128, at most 8 query heads per
+# KV head); else, and for "block": paged_attention_f16 (the first kernel, kept for any shape)
+ATTENTION_VARIANTS = ("tc", "warp", "block")
 # prefill (T > 1): "tc" attention_prefill_tc_d<D> (tensor cores, 64 query rows a block; head_dim 64 or
 # 128) where it fits, else what attention_variant picks; "warp" / "block" force those kernels
 ATTENTION_PREFILL_VARIANTS = ("tc", "warp", "block")
@@ -258,7 +259,7 @@ class CudaBackend(Backend):
         self.pages_per_split = pages_per_split
         self.sms = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["multiProcessorCount"]
         self.att_blocks = 2 * self.sms
-        self.attention_variant = "warp"  # one of ATTENTION_VARIANTS (bench and the variant tests set it)
+        self.attention_variant = "tc"  # one of ATTENTION_VARIANTS (bench and the variant tests set it)
         self.attention_prefill_variant = "tc"  # one of ATTENTION_PREFILL_VARIANTS
         # rmsnorm: rows of up to RMS_HELD x its block held in registers (True), or its strided loop at any length
         self.rmsnorm_held = True
@@ -409,12 +410,12 @@ class CudaBackend(Backend):
                                                    page_table, q_out, _i32(nq), _i32(nkv), _i32(d)))
 
     def attention_kernel(self, nq: int, nkv: int, d: int) -> str:
-        """The kernel attention runs for this head layout: the warp-per-page kernel where it fits and
-        `attention_variant` is "warp", else paged_attention_f16."""
+        """The kernel attention runs for this head layout: `attention_variant`'s ("tc": the tensor-core
+        kernel, "warp": the warp-per-page kernel) where it fits, else paged_attention_f16."""
         if self.attention_variant not in ATTENTION_VARIANTS:
             raise ValueError(f"attention_variant {self.attention_variant!r} is not one of {ATTENTION_VARIANTS}")
-        if self.attention_variant == "warp" and d in ATT_WARP_HEAD_DIMS and nq // nkv <= ATT_MAX_GROUP:
-            return f"paged_attention_warp_d{d}"
+        if self.attention_variant != "block" and d in ATT_WARP_HEAD_DIMS and nq // nkv <= ATT_MAX_GROUP:
+            return f"paged_attention_{self.attention_variant}_d{d}"
         return "paged_attention_f16"
 
     def _attention(self, q, k_pages, v_pages, page_table, positions, out, split: bool):
@@ -439,10 +440,13 @@ class CudaBackend(Backend):
             pps = self.pages_per_split
             splits = -(-max_pages // pps)
         else:  # dynamic: the kernel spreads the used pages over `splits` blocks per (KV head, token)
-            # (the warp kernel's blocks hold ATT_WARPS pages at a time: no more splits than that fills)
+            # (the warp kernels' blocks hold ATT_WARPS pages at a time: no more splits than that fills)
             most = -(-max_pages // ATT_WARPS) if warp else max_pages
             pps, splits = 0, max(1, min(most, -(-self.att_blocks // (nkv * T))))
         scale = np.float32(1.0 / np.sqrt(d))
+        if splits > COMBINE_MAX_SPLITS:
+            raise ValueError(f"attention: {splits} splits exceed the combine kernel's {COMBINE_MAX_SPLITS} "
+                             f"(raise pages_per_split)")
         if splits == 1:
             dummy = out  # partial buffers are not touched with one split
             args = (q, k_pages, v_pages, page_table, positions, out, dummy, dummy, dummy)
@@ -455,9 +459,6 @@ class CudaBackend(Backend):
         self._k[kernel]((nkv, T, splits), (threads,),
                         (*args, _i32(nq), _i32(nkv), _i32(d), _i32(pps), _i32(max_pages), scale), shared_mem=smem)
         if splits > 1:
-            if splits > COMBINE_MAX_SPLITS:
-                raise ValueError(f"attention: {splits} splits exceed the combine kernel's {COMBINE_MAX_SPLITS} "
-                                 f"(raise pages_per_split)")
             self._k["attention_combine_f16"]((nq, T), (COMBINE_THREADS,), (pm, pl, pa, out, _i32(nq), _i32(d), _i32(splits)))
 
     def attention_prefill(self, q, k_pages, v_pages, page_table, positions, out):

@@ -20,6 +20,16 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const u32 (&a)[4], cons
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// The same product for an A whose rows 8-15 are zero (a1 = a3 = 0): only c0, c1 (row r) are kept; rows
+// 8-15 of C come out of the instruction and are dropped, so no register holds them between products.
+__device__ __forceinline__ void mma_16816_rows8(float (&c)[2], u32 a0, u32 a2, const u32 (&b)[2]) {
+    asm volatile("{\n\t.reg .f32 d2, d3;\n\t"
+                 "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,d2,d3}, {%2,%3,%4,%3}, {%5,%6}, "
+                 "{%0,%1,%7,%7};\n\t}"
+                 : "+f"(c[0]), "+f"(c[1])
+                 : "r"(a0), "r"(0u), "r"(a2), "r"(b[0]), "r"(b[1]), "f"(0.0f));
+}
+
 // a generic pointer into shared memory as the 32-bit shared-window address PTX's shared operands take
 __device__ __forceinline__ unsigned smem_addr(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
 

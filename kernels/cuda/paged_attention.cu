@@ -626,3 +626,211 @@ attention_combine_f16(const float* __restrict__ part_m, const float* __restrict_
         __syncthreads();  // Ap is read before the next column block rewrites it
     }
 }
+
+
+
+// ---- decode on the tensor cores: paged_attention_tc_d<D> (attention_variant "tc") -------------------
+//
+// The warp kernel above gives every page ~D/2 * group fmaf of scores and D/32 * 16 * group of P.V per
+// lane, one dependent chain after another: at a few pages per warp (decode at any context: the pages are
+// spread over ~2 blocks an SM) that latency, not bytes, sets its time. Here both products of a page are
+// mma.sync m16n8k16 (mma.cuh's layouts), the prefill tc kernel's arithmetic (FlashAttention-2's
+// register reuse), with the query heads of the group as the mma's rows:
+//   * S = Q K^T, A = q (row r = head r of the group; rows past the group and rows 8-15 zero: group <= 8),
+//     B = K^T in two n-tiles, column n = slot n (tile 0) and slot 8 + n (tile 1). A dot product does not
+//     care in which order its dims are summed, so the 16 k of an mma may be any 16 dims as long as A and B
+//     take the same ones: lane c loads 16-byte runs (dims 32j + 8c .. + 8 of chunk j) of its q row and of
+//     K rows r and 8 + r; words 0-1 of a run feed mma 2j, words 2-3 mma 2j + 1. Straight from global
+//     memory into registers, 16 bytes a load, no shared staging.
+//     C: lane (r, c) holds head r's scores of slots 2c, 2c + 1 (tile 0) and 8 + 2c, 9 + 2c (tile 1), so
+//     head r's online softmax is the quad's: max and sum by two xor shuffles (lanes 4r .. 4r + 3).
+//   * O += P V: S's C fragments are P's A fragment as they stand (k = slot), P split as P_hi + P_lo, two
+//     fp16 numbers (P_lo the rounding error of P_hi): two mmas, exact products with fp16 V, fp32 sums, so
+//     P keeps ~22 bits (the precision contract's fp32 probabilities); l sums the fp32 P.
+//     B = V ("col": k = slot, column = dim) needs two slots of one dim per register: lane (r, c) loads
+//     32-bit words (dims 16t + 2r, + 1) of V rows 2c, 2c + 1, 2c + 8, 2c + 9 and prmt pairs them, the
+//     low halves for n-tile 2t (column r = dim 16t + 2r), the high halves for n-tile 2t + 1 (dim + 1).
+//     O's C: lane (r, c) holds head r's dims 16t + 4c .. + 3 (tiles 2t, 2t + 1, columns 2c, 2c + 1).
+//   * q and k, P_hi / P_lo and v are fp16: products exact, sums fp32 (the contract's fp32 scores,
+//     probabilities and sums). 1/sqrt(d) multiplies the fp32 score (the warp kernel folds it into q: a
+//     different rounding of the same fp32 arithmetic, far under the fp16 output's).
+// Slots at or past the length: K and V rows never loaded (zero), scores -inf, probabilities 0. Grid,
+// spans, the partials, attention_combine_f16 and the per-warp merge are the warp kernel's; the merge
+// weights e^(m_w - M) are computed once per (warp, head).
+template <int D>
+__device__ __forceinline__ void attention_tc_pages(const f16_bits* __restrict__ q, const f16_bits* __restrict__ k_pages,
+                                                   const f16_bits* __restrict__ v_pages, const int* __restrict__ page_table,
+                                                   const int* __restrict__ positions, f16_bits* __restrict__ out,
+                                                   float* __restrict__ part_m, float* __restrict__ part_l,
+                                                   float* __restrict__ part_acc, int nq, int nkv, int pages_per_split,
+                                                   int max_pages, float scale) {
+    constexpr int G = ATT_MAX_GROUP;
+    constexpr int CH = D / 32;   // 32-dim chunks of S's k: two mmas each
+    constexpr int NP = D / 16;   // n-tile pairs of O (16 dims each)
+    constexpr int RUNS = D / 8;  // 16-byte runs per row
+    __shared__ float Mw[ATT_WARPS][G], Lw[ATT_WARPS][G], Ew[ATT_WARPS][G], Mb[G], Lb[G];
+    __shared__ __align__(16) float Aw[ATT_WARPS][G * D];
+
+    const int kvh = blockIdx.x, t = blockIdx.y, z = blockIdx.z, splits = gridDim.z;
+    const int group = nq / nkv, tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP;
+    const int r = lane / 4, c = lane % 4;
+
+    const int n_keys = positions[t] + 1;
+    if (pages_per_split <= 0) {
+        const int used = imin((n_keys + PAGE - 1) / PAGE, max_pages);
+        pages_per_split = imax(1, (used + splits - 1) / splits);
+    }
+    const int first_page = z * pages_per_split;
+    const int last_page = imin(imin((z + 1) * pages_per_split, (n_keys + PAGE - 1) / PAGE), max_pages);
+
+    u32 qa[CH][4];  // A of S: head r's run of each chunk (zero past the group)
+    {
+        // (read only for r below the group)
+        const uint4* qp = reinterpret_cast<const uint4*>(q + ((size_t)t * nq + kvh * group + r) * D) + c;
+#pragma unroll
+        for (int j = 0; j < CH; ++j) uint4_words(r < group ? __ldg(qp + 4 * j) : make_uint4(0u, 0u, 0u, 0u), qa[j]);
+    }
+    float m = neg_inf(), l = 0.0f;  // head r's running max and sum (the quad's four lanes agree)
+    float o[2 * NP][2];             // O of head r: n-tile n, columns 2c, 2c + 1
+#pragma unroll
+    for (int n = 0; n < 2 * NP; ++n) o[n][0] = o[n][1] = 0.0f;
+
+    for (int p = first_page + warp; p < last_page; p += ATT_WARPS) {
+        const int valid = imin(PAGE, n_keys - p * PAGE);  // >= 1: p is below the last used page
+        const size_t base = (((size_t)page_table[p] * nkv + kvh) * PAGE) * D;
+        // Every load of the page first (one trip of memory latency a page): K rows r and 8 + r (this lane's
+        // runs), V rows 2c, 2c + 1, 2c + 8, 2c + 9 (this lane's words). Rows past the length stay zero.
+        const uint4* kp = reinterpret_cast<const uint4*>(k_pages + base) + c;
+        uint4 k0[CH], k1[CH];
+#pragma unroll
+        for (int j = 0; j < CH; ++j) {
+            k0[j] = r < valid ? __ldg(kp + r * RUNS + 4 * j) : make_uint4(0u, 0u, 0u, 0u);
+            k1[j] = 8 + r < valid ? __ldg(kp + (8 + r) * RUNS + 4 * j) : make_uint4(0u, 0u, 0u, 0u);
+        }
+        const u32* vp = reinterpret_cast<const u32*>(v_pages + base) + r;
+        u32 vw[NP][4];
+#pragma unroll
+        for (int tp = 0; tp < NP; ++tp) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int slot = 2 * c + (i & 1) + 8 * (i >> 1);  // 2c, 2c + 1, 2c + 8, 2c + 9
+                vw[tp][i] = slot < valid ? __ldg(vp + slot * (D / 2) + 8 * tp) : 0u;
+            }
+        }
+
+        float s0[2] = {0.0f, 0.0f}, s1[2] = {0.0f, 0.0f};  // slots 2c, 2c + 1 and 8 + 2c, 9 + 2c
+#pragma unroll
+        for (int j = 0; j < CH; ++j) {
+            u32 w0[4], w1[4];
+            uint4_words(k0[j], w0);
+            uint4_words(k1[j], w1);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {  // mma 2j + h: words 2h, 2h + 1 of the runs
+                const u32 b0[2] = {w0[2 * h], w0[2 * h + 1]}, b1[2] = {w1[2 * h], w1[2 * h + 1]};
+                mma_16816_rows8(s0, qa[j][2 * h], qa[j][2 * h + 1], b0);
+                mma_16816_rows8(s1, qa[j][2 * h], qa[j][2 * h + 1], b1);
+            }
+        }
+        float sc[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int slot = 2 * c + (e & 1) + 8 * (e >> 1);
+            sc[e] = slot < valid ? (e < 2 ? s0[e] : s1[e - 2]) * scale : neg_inf();
+        }
+        float mx = fmaxf(fmaxf(sc[0], sc[1]), fmaxf(sc[2], sc[3]));
+        mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 2));
+        const float m_new = fmaxf(m, mx);  // finite: slot 0 is valid
+        const float alpha = expf(m - m_new);  // 0 on the warp's first page (m = -inf)
+        float pr[4], ps = 0.0f;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            pr[e] = expf(sc[e] - m_new);  // masked: exp(-inf) = 0
+            ps += pr[e];
+        }
+        ps += __shfl_xor_sync(FULL_MASK, ps, 1);
+        ps += __shfl_xor_sync(FULL_MASK, ps, 2);
+        l = l * alpha + ps;
+        m = m_new;
+        u32 ph[2], pl[2];  // a0 (slots 2c, 2c + 1) and a2 (slots 8 + 2c, 9 + 2c), hi and lo parts
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(ph[h]) : "f"(pr[2 * h + 1]), "f"(pr[2 * h]));  // low half = slot 2c
+            float r0, r1;
+            h2x2f(ph[h], r0, r1);
+            asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(pl[h]) : "f"(pr[2 * h + 1] - r1), "f"(pr[2 * h] - r0));
+        }
+#pragma unroll
+        for (int tp = 0; tp < NP; ++tp) {
+            u32 lo[2], hi[2];  // n-tile 2tp: dim 16tp + 2r (low halves); 2tp + 1: dim + 1 (high halves)
+            asm("prmt.b32 %0, %1, %2, 0x5410;" : "=r"(lo[0]) : "r"(vw[tp][0]), "r"(vw[tp][1]));
+            asm("prmt.b32 %0, %1, %2, 0x5410;" : "=r"(lo[1]) : "r"(vw[tp][2]), "r"(vw[tp][3]));
+            asm("prmt.b32 %0, %1, %2, 0x7632;" : "=r"(hi[0]) : "r"(vw[tp][0]), "r"(vw[tp][1]));
+            asm("prmt.b32 %0, %1, %2, 0x7632;" : "=r"(hi[1]) : "r"(vw[tp][2]), "r"(vw[tp][3]));
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                o[2 * tp][e] *= alpha;
+                o[2 * tp + 1][e] *= alpha;
+            }
+            mma_16816_rows8(o[2 * tp], ph[0], ph[1], lo);
+            mma_16816_rows8(o[2 * tp], pl[0], pl[1], lo);
+            mma_16816_rows8(o[2 * tp + 1], ph[0], ph[1], hi);
+            mma_16816_rows8(o[2 * tp + 1], pl[0], pl[1], hi);
+        }
+    }
+
+    // Merge the warps in warp order. A warp that had no page holds m = -inf, l = 0 and weighs 0.
+    if (r < group) {
+        if (c == 0) { Mw[warp][r] = m; Lw[warp][r] = l; }
+#pragma unroll
+        for (int tp = 0; tp < NP; ++tp)
+            *reinterpret_cast<float4*>(&Aw[warp][r * D + 16 * tp + 4 * c]) =
+                make_float4(o[2 * tp][0], o[2 * tp + 1][0], o[2 * tp][1], o[2 * tp + 1][1]);
+    }
+    __syncthreads();  // every warp's state is in shared memory
+    if (tid < group) {  // the merge weights, once per (warp, head)
+        float M = neg_inf();
+#pragma unroll
+        for (int w = 0; w < ATT_WARPS; ++w) M = Lw[w][tid] > 0.0f ? fmaxf(M, Mw[w][tid]) : M;
+        float L = 0.0f;
+#pragma unroll
+        for (int w = 0; w < ATT_WARPS; ++w) {
+            const float e = Lw[w][tid] > 0.0f ? expf(Mw[w][tid] - M) : 0.0f;
+            Ew[w][tid] = e;
+            L = fmaf(Lw[w][tid], e, L);
+        }
+        Mb[tid] = M;  // a block with no page: M = -inf, L = 0 (and O = 0), weight 0 wherever it is merged
+        Lb[tid] = L;
+    }
+    __syncthreads();  // the weights are in shared memory
+    for (int item = tid; item < group * D; item += ATT_WARPS * WARP) {
+        const int g = item / D, col = item % D, h = kvh * group + g;
+        float A = 0.0f;
+#pragma unroll
+        for (int w = 0; w < ATT_WARPS; ++w) A = fmaf(Aw[w][item], Ew[w][g], A);
+        if (splits == 1) {
+            out[((size_t)t * nq + h) * D + col] = f2h(A / Lb[g]);
+        } else {
+            const size_t pi = ((size_t)t * nq + h) * splits + z;
+            part_acc[pi * D + col] = A;
+            if (col == 0) { part_m[pi] = Mb[g]; part_l[pi] = Lb[g]; }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * WARP)
+paged_attention_tc_d64(const f16_bits* q, const f16_bits* k_pages, const f16_bits* v_pages, const int* page_table,
+                       const int* positions, f16_bits* out, float* part_m, float* part_l, float* part_acc,
+                       int nq, int nkv, int d, int pages_per_split, int max_pages, float scale) {
+    pdl_enter();  // common.cuh: q, the pages and the positions are earlier kernels' writes
+    attention_tc_pages<64>(q, k_pages, v_pages, page_table, positions, out, part_m, part_l, part_acc, nq, nkv,
+                           pages_per_split, max_pages, scale);
+}
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * WARP)
+paged_attention_tc_d128(const f16_bits* q, const f16_bits* k_pages, const f16_bits* v_pages, const int* page_table,
+                        const int* positions, f16_bits* out, float* part_m, float* part_l, float* part_acc,
+                        int nq, int nkv, int d, int pages_per_split, int max_pages, float scale) {
+    pdl_enter();  // common.cuh: q, the pages and the positions are earlier kernels' writes
+    attention_tc_pages<128>(q, k_pages, v_pages, page_table, positions, out, part_m, part_l, part_acc, nq, nkv,
+                            pages_per_split, max_pages, scale);
+}

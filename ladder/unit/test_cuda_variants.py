@@ -32,6 +32,7 @@ with TOL.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import numpy as np
 import pytest
@@ -227,7 +228,7 @@ def test_full_size_linears_match_reference(backend, quant_format, op, T):
                   weights=_full_size_weights(backend, quant_format, op, in_f, rows))
 
 
-ATTENTION_VARIANTS = ("warp", "block")  # kernels/cuda/__init__.py ATTENTION_VARIANTS
+ATTENTION_VARIANTS = ("tc", "warp", "block")  # kernels/cuda/__init__.py ATTENTION_VARIANTS
 
 
 @contextlib.contextmanager
@@ -272,7 +273,7 @@ def test_attention_decode_spreads_more_pages_than_splits(backend, variant):
 @pytest.mark.parametrize("variant", ATTENTION_VARIANTS)
 @pytest.mark.parametrize("L", PAGE_BOUNDARY_LENGTHS)
 def test_attention_variant_at_every_page_edge(backend, variant, L):
-    """Both kernels, decode and a 5-token prefill chunk, on every page edge: a page that holds 1, 15 or
+    """Each kernel, decode and a 5-token prefill chunk, on every page edge: a page that holds 1, 15 or
     16 valid slots, on one warp or several."""
     with _backend_setting(backend, attention_variant=variant, attention_prefill_variant=variant):
         for nkv, ratio, d in ((2, 2, 64), (4, 7, 128)):
@@ -281,6 +282,19 @@ def test_attention_variant_at_every_page_edge(backend, variant, L):
             T = min(5, L)
             check_attention(backend, "attention_prefill",
                              PagedCase.build(seed=L + 1, L=L, T=T, nq=nkv * ratio, nkv=nkv, d=d, layout="sparse"))
+
+
+@pytest.mark.parametrize("variant", ATTENTION_VARIANTS)
+@pytest.mark.parametrize("pages_per_split", (1, None))
+def test_attention_decode_splits_past_the_length_weigh_nothing(backend, variant, pages_per_split):
+    """A page table far longer than the keys (as the engine's, sized for the longest sequence): at one
+    page a split, most splits lie past the length, hold no key and write l = 0 for the combine to weigh
+    0; the dynamic spread gives the blocks of a short length one page or none."""
+    with _backend_setting(backend, pages_per_split=pages_per_split, attention_variant=variant):
+        for L, nkv, ratio, d in ((20, 4, 7, 128), (40, 2, 3, 64)):
+            case = PagedCase.build(seed=L, L=L, T=1, nq=nkv * ratio, nkv=nkv, d=d, layout="shuffled")
+            table = np.concatenate([case.page_table, np.full(61, -1, np.int32)])  # 63+ pages
+            check_attention(backend, "attention_decode", dataclasses.replace(case, page_table=table))
 
 
 @pytest.mark.parametrize("variant", ("tc", "warp", "block"))  # kernels/cuda/__init__.py ATTENTION_PREFILL_VARIANTS
