@@ -1,5 +1,6 @@
 // mma.cuh: the tensor-core and async-copy building blocks of the prefill kernels (int4_sym_g128.cu's
-// int4_mma_f32 / int4_mma_pipe_f32, paged_attention.cu's attention_prefill_tc_d<D>), as inline PTX.
+// int4_mma_f32 / int4_mma_pipe_f32, paged_attention.cu's attention_prefill_tc_d<D>) and of the decode
+// kernels on the tensor cores (gemv_tc.cuh, paged_attention.cu's paged_attention_tc_d<D>), as inline PTX.
 //
 // mma.sync m16n8k16 (fp16 x fp16 -> fp32), the fragment layouts every caller relies on (lane = 4 r + c):
 //   A (16 x 16, row-major): a0 = (row r, k 2c..2c+1), a1 = (row r+8, k 2c..), a2 = (row r, k 2c+8..),
