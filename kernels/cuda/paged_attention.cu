@@ -26,6 +26,26 @@
 #define ATT_THREADS 128
 #define ATT_MAX_ITEMS 16  // group * d <= ATT_THREADS * ATT_MAX_ITEMS (checked by the launcher)
 
+// The keys query token t sees (n_keys = positions[t] + 1) and the pages [first, last) of split z of
+// `splits`: pages_per_split of them, or with pages_per_split <= 0 the used pages spread evenly over the
+// splits, computed here from the current length. `last` is exclusive and never past the page table, even
+// if a position were (wrongly) beyond it. Every decode-attention kernel takes its span from here.
+struct SplitPages {
+    int n_keys, first, last;
+};
+__device__ __forceinline__ SplitPages split_pages(const int* __restrict__ positions, int t, int z, int splits,
+                                                  int pages_per_split, int max_pages) {
+    SplitPages s;
+    s.n_keys = positions[t] + 1;
+    if (pages_per_split <= 0) {  // dynamic: spread the used pages evenly over the splits
+        const int used = imin((s.n_keys + PAGE - 1) / PAGE, max_pages);
+        pages_per_split = imax(1, (used + splits - 1) / splits);
+    }
+    s.first = z * pages_per_split;
+    s.last = imin(imin((z + 1) * pages_per_split, (s.n_keys + PAGE - 1) / PAGE), max_pages);
+    return s;
+}
+
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
 paged_attention_f16(const f16_bits* __restrict__ q, const f16_bits* __restrict__ k_pages,
                     const f16_bits* __restrict__ v_pages, const int* __restrict__ page_table,
@@ -45,14 +65,8 @@ paged_attention_f16(const f16_bits* __restrict__ q, const f16_bits* __restrict__
     float* Ls = Ms + group;             // [group]
     float* As = Ls + group;             // [group] rescale factor of this page
 
-    const int n_keys = positions[t] + 1;
-    if (pages_per_split <= 0) {  // dynamic: spread the used pages evenly over the splits
-        const int used = imin((n_keys + PAGE - 1) / PAGE, max_pages);
-        pages_per_split = imax(1, (used + splits - 1) / splits);
-    }
-    const int first_page = z * pages_per_split;
-    // exclusive; never past the page table, even if a position were (wrongly) beyond it
-    const int last_page = imin(imin((z + 1) * pages_per_split, (n_keys + PAGE - 1) / PAGE), max_pages);
+    const SplitPages span = split_pages(positions, t, z, splits, pages_per_split, max_pages);
+    const int n_keys = span.n_keys, first_page = span.first, last_page = span.last;
 
     for (int i = tid; i < group * d; i += ATT_THREADS)
         Qs[i] = h2f(q[((size_t)t * nq + kvh * group) * d + i]) * scale;
@@ -197,13 +211,8 @@ __device__ __forceinline__ void attention_warp_pages(const f16_bits* __restrict_
     const int group = nq / nkv, tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP;
     const int s = lane % PAGE, hf = lane / PAGE;
 
-    const int n_keys = positions[t] + 1;
-    if (pages_per_split <= 0) {
-        const int used = imin((n_keys + PAGE - 1) / PAGE, max_pages);
-        pages_per_split = imax(1, (used + splits - 1) / splits);
-    }
-    const int first_page = z * pages_per_split;
-    const int last_page = imin(imin((z + 1) * pages_per_split, (n_keys + PAGE - 1) / PAGE), max_pages);
+    const SplitPages span = split_pages(positions, t, z, splits, pages_per_split, max_pages);
+    const int n_keys = span.n_keys, first_page = span.first, last_page = span.last;
 
     for (int i = tid; i < group * D; i += ATT_WARPS * WARP)
         Qs[i] = h2f(q[((size_t)t * nq + kvh * group) * D + i]) * scale;
@@ -677,13 +686,8 @@ __device__ __forceinline__ void attention_tc_pages(const f16_bits* __restrict__ 
     const int group = nq / nkv, tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP;
     const int r = lane / 4, c = lane % 4;
 
-    const int n_keys = positions[t] + 1;
-    if (pages_per_split <= 0) {
-        const int used = imin((n_keys + PAGE - 1) / PAGE, max_pages);
-        pages_per_split = imax(1, (used + splits - 1) / splits);
-    }
-    const int first_page = z * pages_per_split;
-    const int last_page = imin(imin((z + 1) * pages_per_split, (n_keys + PAGE - 1) / PAGE), max_pages);
+    const SplitPages span = split_pages(positions, t, z, splits, pages_per_split, max_pages);
+    const int n_keys = span.n_keys, first_page = span.first, last_page = span.last;
 
     u32 qa[CH][4];  // A of S: head r's run of each chunk (zero past the group)
     {
