@@ -636,8 +636,6 @@ attention_combine_f16(const float* __restrict__ part_m, const float* __restrict_
     }
 }
 
-
-
 // ---- decode on the tensor cores: paged_attention_tc_d<D> (attention_variant "tc") -------------------
 //
 // The warp kernel above gives every page ~D/2 * group fmaf of scores and D/32 * 16 * group of P.V per
