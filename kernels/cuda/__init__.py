@@ -16,8 +16,9 @@ variant (threads and rows per block, or a tensor-core tiling). With T > 1 (prefi
 per group; the others: their exact fp32 dequantization and one cuBLAS fp32 GEMM), then a shared
 epilogue kernel (epilogues.cu) runs. Attention with T = 1 splits the used pages evenly over a fixed
 number of blocks (computed on the device from the current length) and merges the splits in a fixed
-order; within a block, each warp owns whole pages in registers (paged_attention_warp_d64/_d128, for
-head_dim 64 or 128 and up to 8 query heads per KV head; other layouts take paged_attention_f16). A
+order; within a block, each warp owns whole pages in registers and runs both products of a page on
+the tensor cores (paged_attention_tc_d64/_d128, for head_dim 64 or 128 and up to 8 query heads per KV
+head; paged_attention_warp_d<D> does them on the CUDA cores; other layouts take paged_attention_f16). A
 prefill (T > 1) runs on the tensor cores (attention_prefill_tc_d64/_d128: 64 query rows of one KV head
 a block, each K/V page staged once per tile).
 
