@@ -15,11 +15,11 @@
   64 x 128 tensor-core tile; the wgmma kernel also at its ring's depth (WG_STAGES groups, twice that)
   and its consumer warpgroups' 64 rows.
 - The Qwen2.5-Coder-7B shapes of the four ops (decode and a 64-token prefill); every prefill attention
-  kernel (tensor cores, warp, block) at its tile and page edges; both decode attention kernels
-  (the warp-per-page one and paged_attention_f16) with fixed and dynamic split sizes (one page per
-  split: splits past the length are empty; more used pages than splits) and on every page edge, decode
-  and prefill; head layouts
-  the warp kernel does not hold going to paged_attention_f16; rmsnorm reading rows
+  kernel (tensor cores, warp, block) at its tile and page edges; every decode attention kernel (the
+  tensor-core one, the warp-per-page one and paged_attention_f16) with fixed and dynamic split sizes (one
+  page per split: splits past the length are empty; more used pages than splits; a page table far longer
+  than the keys) and on every page edge, decode and prefill; head layouts the tensor-core and warp
+  kernels do not hold going to paged_attention_f16; rmsnorm reading rows
   of a larger buffer, and on both sides of the row length it holds in registers (RMS_HELD elements a
   thread; longer rows take its loop), for the decode step's one row and a prefill's rows; RoPE and the
   KV write on prefills long enough that a token gets fewer blocks; the captured decode graph following a wrapped op and its unwrapping, kept across
@@ -321,12 +321,14 @@ def test_attention_prefill_kernels_are_causal_at_every_tile_and_page_edge(backen
             check_attention(backend, "attention_prefill", PagedCase.build(seed=100 + i, **kw))
 
 
+@pytest.mark.parametrize("variant", ("tc", "warp"))
 @pytest.mark.parametrize("nq, nkv, d", [(18, 2, 64), (4, 2, 96), (2, 1, 32), (4, 2, 36)])
-def test_attention_layouts_the_warp_kernel_does_not_hold_take_the_block_kernel(backend, nq, nkv, d):
-    """9 query heads per KV head, or a head_dim other than 64 and 128: the warp kernel's registers do not
-    hold them, so the backend runs paged_attention_f16, and the answer is still right. A head_dim that is
-    not a multiple of 8 (36) takes that kernel's scalar loads of K and V instead of its 16-byte ones."""
-    with _backend_setting(backend, attention_variant="warp"):
+def test_attention_layouts_the_warp_kernel_does_not_hold_take_the_block_kernel(backend, variant, nq, nkv, d):
+    """9 query heads per KV head, or a head_dim other than 64 and 128: the registers of the tensor-core and
+    warp kernels do not hold them, so the backend runs paged_attention_f16, and the answer is still right.
+    A head_dim that is not a multiple of 8 (36) takes that kernel's scalar loads of K and V instead of its
+    16-byte ones."""
+    with _backend_setting(backend, attention_variant=variant):
         assert backend.attention_kernel(nq, nkv, d) == "paged_attention_f16"
         for L, T in ((40, 1), (40, 6)):
             op = "attention_decode" if T == 1 else "attention_prefill"
