@@ -446,9 +446,12 @@ def bench_first_format(model, prompt, args, results) -> dict:
         print_sweep(results["gemv_sweep"])
         results["attention_sweep"] = sweep_attention(model, seq, first)
         att = results["attention_sweep"]
-        vs = ", ".join(f"{k} {v['ms'] * 1e3:.1f}us{'' if v['ok'] else ' WRONG'}" for k, v in att["variants"].items())
-        bs = ", ".join(f"{k} refused" if "error" in v else f"{k} {v['ms'] * 1e3:.1f}us{'' if v['ok'] else ' WRONG'}"
-                       for k, v in att["att_blocks"].items())
+
+        def timings(rows: dict) -> str:  # "name 4.7us, name 11.1us WRONG, name refused"
+            return ", ".join(f"{k} refused" if "error" in v else f"{k} {v['ms'] * 1e3:.1f}us{'' if v['ok'] else ' WRONG'}"
+                             for k, v in rows.items())
+
+        vs, bs = timings(att["variants"]), timings(att["att_blocks"])
         print(f"  sweep attention_decode   chosen {att['chosen']}: {vs}; att_blocks chosen {att['chosen_att_blocks']}: {bs}",
               flush=True)
         print(f"  sweeps done ({time.perf_counter() - t0:.1f} s)", flush=True)

@@ -19,11 +19,11 @@
   tensor-core one, the warp-per-page one and paged_attention_f16) with fixed and dynamic split sizes (one
   page per split: splits past the length are empty; more used pages than splits; a page table far longer
   than the keys) and on every page edge, decode and prefill; head layouts the tensor-core and warp
-  kernels do not hold going to paged_attention_f16; rmsnorm reading rows
-  of a larger buffer, and on both sides of the row length it holds in registers (RMS_HELD elements a
-  thread; longer rows take its loop), for the decode step's one row and a prefill's rows; RoPE and the
-  KV write on prefills long enough that a token gets fewer blocks; the captured decode graph following a wrapped op and its unwrapping, kept across
-  turning it off and on, and captured again for a changed backend setting.
+  kernels do not hold going to paged_attention_f16; rmsnorm reading rows of a larger buffer, and on
+  both sides of the row length it holds in registers (RMS_HELD elements a thread; longer rows take its
+  loop), for the decode step's one row and a prefill's rows; RoPE and the KV write on prefills long
+  enough that a token gets fewer blocks; the captured decode graph following a wrapped op and its
+  unwrapping, kept across turning it off and on, and captured again for a changed backend setting.
 
 The comparisons are the unit rung's op checks (ladder/checks/ops.py): `check_*` against `reference.ops`
 with TOL.
