@@ -8,21 +8,27 @@
 //     its 64 weight rows by the block's 128 tokens with wgmma m64n128k16 (y^T = W x^T: the weights are the
 //     operand A, which wgmma takes from registers, unpacked there as the ring builds its B fragments; x,
 //     already fp16, is the operand B, read by wgmma from shared memory as cp.async left it);
-//   * a stage is one 128-input group: x, 128 tokens x 128 inputs (32 KB) in wgmma's canonical no-swizzle
-//     K-major layout (core matrix (t / 8, k / 8), 8 rows of 16 B, at (t / 8) * 2048 + (k / 8) * 128 B),
-//     and the 128 weight rows' 16 packed words (rows padded to WG_WPAD = 20 words, 80 B: the 8 rows r of
-//     a consumer's uint2 read land in 8 different bank pairs). WG_STAGES stages in dynamic shared memory;
+//   * a stage is one 128-input group: x, 128 tokens x 128 inputs (32 KB) in wgmma's 128-byte swizzle,
+//     K-major (two atoms of 64 inputs, 16 KB each; token t's row of an atom is 128 B at t * 128, its 16-byte
+//     chunk j stored at chunk j ^ (t % 8)), and the 128 weight rows' 16 packed words (rows padded to
+//     WG_WPAD = 20 words, 80 B: the 8 rows r of a consumer's uint2 read land in 8 different bank pairs).
+//     WG_STAGES stages in dynamic shared memory;
 //   * mbarriers instead of block barriers. full[s] completes when the producer's 128 threads' copies into
 //     stage s have landed (cp.async.mbarrier.arrive.noinc: the arrival fires once the thread's earlier
 //     cp.async are done), empty[s] when all 256 consumer threads are done with it (their wgmma waited for,
 //     their weight words read). The two consumer warpgroups share no barrier, so one's unpacking, wait and
 //     fold run while the other's wgmma keep the tensor cores busy. The prototypes with a block barrier per
 //     step ran at the ring's speed; this one at 1.4-1.8x it (bench/NOTES.md, v5);
+//   * why the swizzle: wgmma reads a 128-byte-swizzled operand faster than the no-swizzle layout of core
+//     matrices (8 rows x 16 B), the layout CUTLASS's Hopper GEMMs use too. The kernel in the no-swizzle
+//     layout gave the same sums at 0.6x this one's speed at the 7B prefill shapes (bench/NOTES.md, v5 ninth
+//     step);
 //   * setmaxnreg: the producer keeps 40 registers, the consumers take 232 (a consumer holds the fp32 total,
 //     64, the group's partial, 64, and the group's A fragments, 32). 128 x 40 + 256 x 232 <= 65536.
-// Grid (ceil(T / 128), ceil(N / 128)): the token tiles of one weight tile run side by side, so the weight
-// bytes come from DRAM about once. Rows past T are zero-filled by cp.async (src-size 0) and never stored;
-// weight rows past N are read from row N - 1 and never stored. K % 128 == 0.
+// Grid (ceil(T / 128), ceil(N / 128)); past 2048 tokens each block's tile comes from a grouped launch order
+// (below), so that both the weight bytes and x come from DRAM a few times at most. Rows past T are zero-filled
+// by cp.async (src-size 0) and never stored; weight rows past N are read from row N - 1 and never stored.
+// K % 128 == 0.
 #pragma once
 #include "int4_pipe.cuh"
 
@@ -31,10 +37,12 @@
 #define WG_BN 128
 #define WG_STAGES 4
 #define WG_WPAD 20
+#define WG_GROUP_N 16  // the grouped launch order's weight tiles a group, past as many token tiles (below)
 #define WG_XBYTES 32768
 #define WG_WBYTES 10240
 #define WG_SMEM 172096
 static_assert(WG_XBYTES == WG_BM * 128 * 2 && WG_WBYTES == WG_BN * WG_WPAD * 4, "a stage: x tile, weight rows");
+static_assert(WG_XBYTES % 1024 == 0, "x tiles on 1024-byte bounds (smem __align__(1024)): the atoms' base offset 0");
 static_assert(WG_SMEM == WG_STAGES * (WG_XBYTES + WG_WBYTES) + 2 * WG_STAGES * 8, "the stages, then full[], empty[]");
 
 template <class Groups>
@@ -46,7 +54,20 @@ __device__ __forceinline__ void int4_wgmma(const f16_bits* __restrict__ x, const
     unsigned long long* full = reinterpret_cast<unsigned long long*>(smem + WG_STAGES * (WG_XBYTES + WG_WBYTES));
     unsigned long long* empty = full + WG_STAGES;
     const int tid = threadIdx.x, warp = tid / WARP, lane = tid % WARP;
-    const int m0 = blockIdx.x * WG_BM, n0 = blockIdx.y * WG_BN;
+    // The block's tile. Blocks start in launch order (blockIdx.x fastest), one an SM (the shared memory), so
+    // the order decides what a wave of 132 blocks reads. Token tiles fastest (the grid's own order) read all
+    // of x for every few weight tiles: right while x fits in L2 (up to WG_GROUP_N token tiles, 2048 tokens),
+    // but at 8192 tokens x is 58-310 MB and came from DRAM again each time. Past WG_GROUP_N token tiles the
+    // tiles run in groups of WG_GROUP_N weight tiles by every token tile, so a wave reads about 8 token tiles
+    // of x and 16 weight tiles, which L2 holds (gate_up at 8192: 1.07x; grouped at 2048 it was 0.95x).
+    int mt = blockIdx.x, nt = blockIdx.y;
+    if (gridDim.x > WG_GROUP_N) {
+        const int id = blockIdx.x + blockIdx.y * gridDim.x, per_group = WG_GROUP_N * gridDim.x;
+        const int first_n = id / per_group * WG_GROUP_N, group_n = imin(gridDim.y - first_n, WG_GROUP_N);
+        mt = id % per_group / group_n;
+        nt = first_n + id % per_group % group_n;
+    }
+    const int m0 = mt * WG_BM, n0 = nt * WG_BN;
     const int words_per_row = K / 8, groups = K / 128;
     if (tid == 0) {
         for (int s = 0; s < WG_STAGES; ++s) {
@@ -71,8 +92,9 @@ __device__ __forceinline__ void int4_wgmma(const f16_bits* __restrict__ x, const
             for (int i = 0; i < 16; ++i) {  // (unrolled fully, the addresses outgrow the producer's 40 registers)
                 const int t = 8 * i + t0;
                 const bool in = m0 + t < T;
-                cp_async16(xs + i * 2048 + col8 * 128 + t0 * 16, x + (size_t)(in ? m0 + t : 0) * K + g * 128 + col8 * 8,
-                           in ? 16 : 0);
+                // atom col8 / 8, row t, chunk col8 % 8 swizzled by t % 8 (= t0)
+                cp_async16(xs + (col8 / 8) * 16384 + t * 128 + ((col8 % 8) ^ t0) * 16,
+                           x + (size_t)(in ? m0 + t : 0) * K + g * 128 + col8 * 8, in ? 16 : 0);
             }
             u32* ws = ws0 + s * (WG_WBYTES / 4);
 #pragma unroll
@@ -122,8 +144,8 @@ __device__ __forceinline__ void int4_wgmma(const f16_bits* __restrict__ x, const
         wgmma_fence();
         const unsigned char* xs = xs0 + s * WG_XBYTES;
 #pragma unroll
-        for (int ks = 0; ks < 8; ++ks)  // k-step ks: x's core matrices (*, 2 ks) and (*, 2 ks + 1)
-            wgmma_m64n128k16_rs(acc, a[ks], wgmma_desc(xs + ks * 256, 128, 2048), ks == 0 ? 0 : 1);
+        for (int ks = 0; ks < 8; ++ks)  // k-step ks: inputs 16 ks .. 16 ks + 15, 32 B into atom ks / 4
+            wgmma_m64n128k16_rs(acc, a[ks], wgmma_desc_sw128(xs + (ks / 4) * 16384 + (ks % 4) * 32), ks == 0 ? 0 : 1);
         wgmma_commit();
         wgmma_wait_all();
 #pragma unroll

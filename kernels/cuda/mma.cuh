@@ -91,15 +91,15 @@ __device__ __forceinline__ void wgmma_touch(float (&d)[64]) {
 #pragma unroll
     for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
-// Shared-memory matrix descriptor for no-swizzle K-major operands: start address, LBO (bytes between core
-// matrices adjacent in K) and SBO (bytes between core matrices adjacent in M/N), each in 16-byte units;
-// base offset 0, swizzle mode 0. A core matrix is 8 rows x 16 B, its rows contiguous.
-__device__ __forceinline__ unsigned long long wgmma_desc(const void* smem, unsigned lbo, unsigned sbo) {
-    // the cast written out, not smem_addr: through the call nvcc 13.0 orders the mask and the shift below
-    // the other way round (the same bits); this is the code the wgmma kernel was measured with
+// Shared-memory matrix descriptor for a K-major operand in the 128-byte swizzle: start address in 16-byte
+// units, LBO 1 (unused by a swizzled K-major operand), SBO 1024 B (8 rows of 128 B: the next 8 rows in M/N),
+// base offset 0 (the atoms are 1024-byte aligned), layout type 1 (SWIZZLE_128B) in bits 62-63. An atom is 8
+// rows of 128 B (64 fp16 inputs); 16-byte chunk j of row r sits at chunk j ^ (r % 8). The start address of
+// k-step ks (16 inputs, 32 B) inside an atom is atom + 32 ks: the hardware applies the XOR to the address it
+// forms, so the step's offset is added unswizzled.
+__device__ __forceinline__ unsigned long long wgmma_desc_sw128(const void* smem) {
     const unsigned long long a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-    return ((a >> 4) & 0x3FFFull) | ((unsigned long long)((lbo >> 4) & 0x3FFF) << 16) |
-           ((unsigned long long)((sbo >> 4) & 0x3FFF) << 32);
+    return ((a >> 4) & 0x3FFFull) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
 }
 // cp.async writes shared memory through the generic proxy, wgmma reads it through the async proxy: a reader
 // that has seen the writes (through an mbarrier) fences before its wgmma read them.

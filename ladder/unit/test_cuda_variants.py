@@ -12,8 +12,8 @@
   variant) of the formats `--quant` selects. A backend without a `gemv_config` (one GEMV per op,
   nothing to pick) skips them with that reason.
 - The prefill path (T above `gemv_max_tokens`) at its tile edges: T and rows on, below and past the
-  64 x 128 tensor-core tile; the wgmma kernel also at its ring's depth (WG_STAGES groups, twice that)
-  and its consumer warpgroups' 64 rows.
+  64 x 128 tensor-core tile; the wgmma kernel also at its ring's depth (WG_STAGES groups, twice that),
+  its consumer warpgroups' 64 rows, and weight tiles past a group of its launch order.
 - The Qwen2.5-Coder-7B shapes of the four ops (decode and a 64-token prefill); every prefill attention
   kernel (tensor cores, warp, block) at its tile and page edges; every decode attention kernel (the
   tensor-core one, the warp-per-page one and paged_attention_f16) with fixed and dynamic split sizes (one
@@ -196,6 +196,20 @@ def test_the_wgmma_prefill_at_its_ring_and_warpgroup_edges(backend, quant_format
                 for rows in (half, half + 1, 3 * half):
                     check_linear(backend, quant_format, "o_proj_residual", T, 128 * groups, rows,
                                  seed=groups * 10000 + T * 10 + rows, case=f",wgmma,{groups} groups")
+
+
+def test_the_wgmma_prefill_covers_every_tile_of_its_grouped_launch_order(backend, quant_format):
+    """Past WG_GROUP_N token tiles the wgmma kernel takes its tile from a grouped launch order (WG_GROUP_N
+    weight tiles by every token tile, then the next group): one token tile past the group, the last one
+    partial, by weight tiles one and two past a whole group (a short last group), so a wrong tile map leaves
+    rows or tokens unwritten or written twice."""
+    if "wgmma" not in _prefill_kernels(backend, quant_format):
+        pytest.skip(f"{quant_format.name} has no wgmma prefill kernel on this backend")
+    bm, bn, group = WGMMA["WG_BM"], WGMMA["WG_BN"], WGMMA["WG_GROUP_N"]
+    with _prefill_kernel(backend, quant_format, "wgmma"):
+        for rows in ((group + 1) * bn, (group + 1) * bn + 1):
+            check_linear(backend, quant_format, "o_proj_residual", group * bm + 1, 256, rows, seed=rows,
+                         case=f",wgmma,{group + 1} x {-(-rows // bn)} tiles")
 
 
 _FULL_SIZE: dict = {}  # (backend, format, op) -> (backend weight, reference weight): the last one made
