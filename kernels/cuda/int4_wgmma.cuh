@@ -20,9 +20,9 @@
 //     fold run while the other's wgmma keep the tensor cores busy. The prototypes with a block barrier per
 //     step ran at the ring's speed; this one at 1.4-1.8x it (bench/NOTES.md, v5);
 //   * why the swizzle: wgmma reads a 128-byte-swizzled operand faster than the no-swizzle layout of core
-//     matrices (8 rows x 16 B), the layout CUTLASS's Hopper GEMMs use too. The kernel in the no-swizzle
-//     layout gave the same sums at 0.6x this one's speed at the 7B prefill shapes (bench/NOTES.md, v5 ninth
-//     step);
+//     matrices (8 rows x 16 B); CUTLASS's Hopper GEMMs stage theirs swizzled too. The kernel in the
+//     no-swizzle layout gave the same sums at 0.6x this one's speed at the 7B prefill shapes
+//     (bench/NOTES.md, v5 ninth step);
 //   * setmaxnreg: the producer keeps 40 registers, the consumers take 232 (a consumer holds the fp32 total,
 //     64, the group's partial, 64, and the group's A fragments, 32). 128 x 40 + 256 x 232 <= 65536.
 // Grid (ceil(T / 128), ceil(N / 128)); past 2048 tokens each block's tile comes from a grouped launch order
