@@ -12,9 +12,10 @@ object). `formats` is the formats with a launcher; another format is `FormatNotS
 T = 1 (decode) a linear is one of its format's GEMV kernels, which unpack in registers, split over the
 input dimension inside each block, with the op's epilogue fused; `gemv_config[format][op]` picks the
 variant (threads and rows per block, or a tensor-core tiling). With T > 1 (prefill) the launcher's
-`matmul_f32` leaves x W^T in fp32 (int4_sym_g128: a tensor-core kernel on the unscaled nibbles, scales
-per group; the others: their exact fp32 dequantization and one cuBLAS fp32 GEMM), then a shared
-epilogue kernel (epilogues.cu) runs. Attention with T = 1 splits the used pages evenly over a fixed
+`matmul_f32` leaves x W^T in fp32 (tensor-core kernels on the weights' exact fp16 values with fp32 sums,
+scaled per group or per row: the INT4 formats' wgmma kernel, the 8-bit formats' ring; or, as
+`prefill_variant` picks, the exact fp32 dequantization and one cuBLAS fp32 GEMM), then a shared epilogue
+kernel (epilogues.cu) runs. Attention with T = 1 splits the used pages evenly over a fixed
 number of blocks (computed on the device from the current length) and merges the splits in a fixed
 order; within a block, each warp owns whole pages in registers and runs both products of a page on
 the tensor cores (paged_attention_tc_d64/_d128, for head_dim 64 or 128 and up to 8 query heads per KV
