@@ -9,10 +9,10 @@
 // Rows up to RMS_HELD * blockDim.x long (the 7B's 3584 at 256 threads: 14 a thread) are held in
 // registers (unless the launcher passes held = 0, CudaBackend.rmsnorm_held off): every load of the row
 // is issued at once (one trip of memory latency, not one per element), the weight's before pdl_wait (no
-// kernel of the step writes it), and the second pass reads the registers. Measured on an H200 at 512 tokens of the 7B (bench/NOTES.md, v5): 19.7 us a call with
-// the loop that loads one element an iteration, 13.1 held. Longer rows take that loop. Both give the
-// same bits: the same fmaf sequence per thread (a held slot past H is 0, and fmaf(0, 0, s) == s for
-// s >= +0).
+// kernel of the step writes it), and the second pass reads the registers. Measured on an H200 at 512
+// tokens of the 7B (bench/NOTES.md, v5): 19.7 us a call with the loop that loads one element an
+// iteration, 13.1 held. Longer rows take that loop. Both give the same bits: the same fmaf sequence per
+// thread (a held slot past H is 0, and fmaf(0, 0, s) == s for s >= +0).
 #include "common.cuh"
 
 #define RMS_HELD 16          // elements a thread holds in registers
