@@ -112,6 +112,9 @@ def run_ops(be, say=lambda line: print(line, flush=True)) -> None:
             ops.check_linear_residual(be, fmt, "o_proj_residual", T, 256, 128, seed=1)
             ops.check_gate_up_silu(be, fmt, T, 128, 40, seed=1)
             ops.check_linear_residual(be, fmt, "down_residual", T, 256, 136, seed=1)
+            # the fused residual + rmsnorm ops: the parts at T = 1, one epilogue kernel on the prefill path
+            ops.check_linear_residual_rmsnorm(be, fmt, "o_proj_residual_rmsnorm", T, 256, 136, seed=1)
+            ops.check_linear_residual_rmsnorm(be, fmt, "down_residual_rmsnorm", T, 384, 40, seed=1)
         run_gemv_tails(be, fmt, say)
     on_examples(ops.check_rope_kv_write, dict(T=20, start=8190, nkv=4, ratio=2, d=64, theta=1e4, layout="sparse", seed=3))
     # every decode-attention kernel the backend ships (ATTENTION_VARIANTS of its module); the knobs as shipped after

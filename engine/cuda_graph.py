@@ -46,7 +46,7 @@ import numpy as np
 
 # Every backend op the decode step calls; a change to any of them invalidates the graph.
 DECODE_OPS = ("embed", "rmsnorm", "qkv_proj", "rope_kv_write", "attention_decode", "o_proj_residual",
-              "gate_up_silu", "down_residual", "lm_head", "argmax")
+              "gate_up_silu", "down_residual", "o_proj_residual_rmsnorm", "down_residual_rmsnorm", "lm_head", "argmax")
 
 
 class GraphCaptureError(RuntimeError):

@@ -123,8 +123,17 @@ class Model:
         the last into self._logits: the eager step, the prefill, and what engine/cuda_graph.py captures."""
         be, c = self.backend, self.config
         be.embed(ws.ids, self.embed_tokens, ws.residual)
+        # Each block's down_residual and the rmsnorm after it are one fused op (decoder_block's next_norm):
+        # the next block's input norm, and after the last block the final norm, except in a prefill,
+        # whose final norm reads the last row alone.
+        last = len(self.layers) - 1
         for i, w in enumerate(self.layers):
-            decoder_block(be, c, w, ws, self.cache.k[i], self.cache.v[i], page_table, decode=T == 1)
+            next_norm = self.layers[i + 1].input_layernorm if i < last else (self.norm if T == 1 else None)
+            decoder_block(be, c, w, ws, self.cache.k[i], self.cache.v[i], page_table, decode=T == 1,
+                          normed=i > 0, next_norm=next_norm)
+        if T == 1:
+            be.lm_head(ws.h, self.lm_head, self._logits)  # ws.h: the final norm, from the last block
+            return
         be.rmsnorm(ws.residual[T - 1: T], self.norm, c.rms_norm_eps, self._final_h)
         be.lm_head(self._final_h, self.lm_head, self._logits)
 

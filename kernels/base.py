@@ -20,6 +20,11 @@ from typing import Any
 # The op set of docs/BACKEND.md: what every backend implements and the ladder checks.
 OPS = ("embed", "rmsnorm", "qkv_proj", "rope_kv_write", "attention_prefill", "attention_decode",
        "o_proj_residual", "gate_up_silu", "down_residual", "lm_head", "argmax", "decode_advance")
+# Fused ops (docs/BACKEND.md, "Fused ops"): each is its parts called in order, which is what Backend does
+# for every backend; a backend may run one as a single kernel. The engine calls the fused op; the ladder
+# checks and wraps the parts.
+FUSED_OPS = {"o_proj_residual_rmsnorm": ("o_proj_residual", "rmsnorm"),
+             "down_residual_rmsnorm": ("down_residual", "rmsnorm")}
 # The memory helpers of docs/BACKEND.md, plus the constructor of quantized weights.
 HELPERS = ("asarray", "empty", "full", "to_numpy", "synchronize", "prepare_linear")
 
@@ -163,6 +168,25 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def down_residual(self, x, w, residual):
         """residual[T, H] fp32 += x W^T."""
+
+    # --- fused ops (FUSED_OPS): the parts in order; a backend may override with one kernel ----------
+
+    def o_proj_residual_rmsnorm(self, x, w, residual, norm_weight, eps, out):
+        """o_proj_residual(x, w, residual), then rmsnorm(residual, norm_weight, eps, out)."""
+        self.o_proj_residual(x, w, residual)
+        self.rmsnorm(residual, norm_weight, eps, out)
+
+    def down_residual_rmsnorm(self, x, w, residual, norm_weight, eps, out):
+        """down_residual(x, w, residual), then rmsnorm(residual, norm_weight, eps, out)."""
+        self.down_residual(x, w, residual)
+        self.rmsnorm(residual, norm_weight, eps, out)
+
+    def parts_wrapped(self, fused: str) -> bool:
+        """True when a part of fused op `fused` is replaced on this object (an instance attribute: the
+        ladder's op recorder, call counter or planted fault). An override that runs the fused op as one
+        kernel must then call the parts instead (Backend's method), so that the wrapper sees every call
+        of its op."""
+        return any(part in vars(self) for part in FUSED_OPS[fused])
 
     @abc.abstractmethod
     def lm_head(self, x, weight, out):

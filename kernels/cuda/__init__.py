@@ -265,6 +265,9 @@ class CudaBackend(Backend):
         self.attention_prefill_variant = "tc"  # one of ATTENTION_PREFILL_VARIANTS
         # rmsnorm: rows of up to RMS_HELD x its block held in registers (True), or its strided loop at any length
         self.rmsnorm_held = True
+        # the fused ops o_proj_residual_rmsnorm / down_residual_rmsnorm on the prefill path: the residual add
+        # and the rmsnorm in one kernel (True, rmsnorm.cu residual_add_rmsnorm_f32_f16), or the two ops
+        self.rmsnorm_fold = True
         # RoPE and the KV write: no more blocks in all than this many an SM on a long prefill (0: 16 a token)
         self.rope_blocks_per_sm = 8
         # prefill kernel per format, for launchers that ship more than one (PREFILL_VARIANTS)
@@ -364,6 +367,35 @@ class CudaBackend(Backend):
 
     def down_residual(self, x, w, residual):
         self._linear_residual("down_residual", x, w, residual)
+
+    def _residual_rmsnorm(self, fused, x, w, residual, norm_weight, eps, out) -> bool:
+        """A fused op of FUSED_OPS on the prefill path as the GEMM and one epilogue kernel that adds its
+        output into the residual and normalises the new rows (rmsnorm.cu residual_add_rmsnorm_f32_f16), when
+        `rmsnorm_fold` is on and neither part is wrapped on this object (Backend.parts_wrapped); False when
+        the parts must run instead. The decode step's GEMV (T up to gemv_max_tokens) takes the parts: its
+        rmsnorm, launched under programmatic dependent launch, measured no slower than a fold into the
+        GEMV's last block (bench/NOTES.md v5)."""
+        T = x.shape[0]
+        if not self.rmsnorm_fold or T <= self.gemv_max_tokens or self.parts_wrapped(fused):
+            return False
+        _need(x, np.float16, "x"), _need(residual, np.float32, "residual")
+        _need(norm_weight, np.float16, "norm_weight"), _need(out, np.float16, "out")
+        rows = w.out_features
+        if residual.shape != (T, rows) or out.shape != (T, rows) or norm_weight.shape != (rows,):
+            raise ValueError(f"{fused}: residual {residual.shape}, out {out.shape} and norm_weight {norm_weight.shape} "
+                             f"must be [{T}, {rows}], [{T}, {rows}] and [{rows}]")
+        y = self._linear(w).matmul_f32(self, x, w)
+        self._k["residual_add_rmsnorm_f32_f16"]((T,), (RMS_THREADS,), (y, residual, norm_weight, out, _i32(rows),
+                                                                      np.float32(eps)))
+        return True
+
+    def o_proj_residual_rmsnorm(self, x, w, residual, norm_weight, eps, out):
+        if not self._residual_rmsnorm("o_proj_residual_rmsnorm", x, w, residual, norm_weight, eps, out):
+            super().o_proj_residual_rmsnorm(x, w, residual, norm_weight, eps, out)
+
+    def down_residual_rmsnorm(self, x, w, residual, norm_weight, eps, out):
+        if not self._residual_rmsnorm("down_residual_rmsnorm", x, w, residual, norm_weight, eps, out):
+            super().down_residual_rmsnorm(x, w, residual, norm_weight, eps, out)
 
     def gate_up_silu(self, x, w, out):
         _need(x, np.float16, "x"), _need(out, np.float16, "out")

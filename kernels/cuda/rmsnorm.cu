@@ -61,3 +61,60 @@ rmsnorm_f32_f16(const float* __restrict__ x, const f16_bits* __restrict__ weight
     const float inv = 1.0f / sqrtf(ss / (float)H + eps);
     for (int i = threadIdx.x; i < H; i += n) o[i] = f2h(xr[i] * inv * h2f(weight[i]));
 }
+
+// The fused ops o_proj_residual_rmsnorm and down_residual_rmsnorm on the prefill path (CudaBackend,
+// `rmsnorm_fold`): resid[t, :] += y[t, :] (y the GEMM's fp32 x W^T), then out16[t, :] = the rmsnorm of the
+// new row, one block (RMS_THREADS) per token row. In place of epi_residual_f32 and rmsnorm_f32_f16: one
+// launch and one read of the residual fewer per call, and the same bits, since the new row is the same
+// fp32 sum and thread i sums the same elements in the same order as rmsnorm_f32_f16 at RMS_THREADS. Rows
+// up to RMS_HELD x the block are held in registers (every load issued at once), longer ones loop.
+extern "C" __global__ void __launch_bounds__(RMS_THREADS)
+residual_add_rmsnorm_f32_f16(const float* __restrict__ y, float* __restrict__ resid, const f16_bits* __restrict__ weight,
+                             f16_bits* __restrict__ out, int H, float eps) {
+    __shared__ float scratch[WARP];
+    const int n = blockDim.x;
+    const size_t row = (size_t)blockIdx.x * H;
+    const float* yr = y + row;
+    float* xr = resid + row;
+    f16_bits* o = out + row;
+    if (H <= RMS_HELD * n) {
+        f16_bits w[RMS_HELD];
+        float v[RMS_HELD];
+#pragma unroll
+        for (int j = 0; j < RMS_HELD; ++j) {
+            const int i = threadIdx.x + j * n;
+            w[j] = i < H ? weight[i] : (f16_bits)0;
+        }
+        pdl_enter();  // common.cuh: y and the residual are earlier kernels' outputs
+#pragma unroll
+        for (int j = 0; j < RMS_HELD; ++j) {
+            const int i = threadIdx.x + j * n;
+            v[j] = i < H ? xr[i] + yr[i] : 0.0f;
+        }
+        float ss = 0.0f;
+#pragma unroll
+        for (int j = 0; j < RMS_HELD; ++j) {
+            const int i = threadIdx.x + j * n;
+            if (i < H) xr[i] = v[j];
+            ss = fmaf(v[j], v[j], ss);
+        }
+        ss = block_sum(ss, scratch);
+        const float inv = 1.0f / sqrtf(ss / (float)H + eps);
+#pragma unroll
+        for (int j = 0; j < RMS_HELD; ++j) {
+            const int i = threadIdx.x + j * n;
+            if (i < H) o[i] = f2h(v[j] * inv * h2f(w[j]));
+        }
+        return;
+    }
+    pdl_enter();
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < H; i += n) {
+        const float v = xr[i] + yr[i];
+        xr[i] = v;  // read back below by the thread that wrote it: no barrier needed
+        ss = fmaf(v, v, ss);
+    }
+    ss = block_sum(ss, scratch);
+    const float inv = 1.0f / sqrtf(ss / (float)H + eps);
+    for (int i = threadIdx.x; i < H; i += n) o[i] = f2h(xr[i] * inv * h2f(weight[i]));
+}

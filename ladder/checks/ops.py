@@ -145,6 +145,48 @@ def check_down_residual(backend, fmt, T, in_f, out_f, seed, case="", weights=Non
     check_linear_residual(backend, fmt, "down_residual", T, in_f, out_f, seed, case, weights)
 
 
+# The fused ops (kernels/base.py FUSED_OPS): a residual op and the rmsnorm after it. T = 1 is the decode
+# step's call (on the CUDA backend one kernel, the GEMV's last block normalising); 136 rows: past 128, so
+# blocks of 8 and 16 rows leave a partial last block.
+FUSED_EXAMPLES = (dict(T=1, in_f=512, out_f=136, seed=0), dict(T=3, in_f=256, out_f=128, seed=1))
+
+
+def check_linear_residual_rmsnorm(backend, fmt, op, T, in_f, out_f, seed, case="", weights=None):
+    """o_proj_residual_rmsnorm / down_residual_rmsnorm (`op`): the residual against the reference sum, as
+    its residual op's check, and the norm's output against rmsnorm's reference on the residual the op
+    left (each part with its own tolerance). Called twice: the second call's norm must read the second
+    call's residual (a fused kernel's state carried between launches shows there)."""
+    rng = rng_for(seed)
+    qw, wref = weights or quantized_and_read(backend, fmt, quantizable_weight(rng, out_f, in_f))
+    resid = (rng.standard_normal((T, out_f)) * 4).astype(F32)
+    norm_w = fp16(rng, (out_f,), 0.5) + F16(1.0)
+    out = guarded(backend, resid)
+    part = op[:-len("_rmsnorm")]
+    for call in (1, 2):
+        x = fp16(rng, (T, in_f))
+        before = host(backend, out, part)
+        ref = before + ref_ops.ref_linear(x, wref)
+        plain = before + ref_ops.ref_linear(x, wref, dtype=F32)
+        normed = sentinel(backend, (T, out_f), F16)
+        getattr(backend, op)(dev(backend, x), qw, out, dev(backend, norm_w), 1e-6, normed)
+        where = f"T={T},in={in_f},out={out_f},call {call}{case}"
+        after = host(backend, out, part)
+        assert_close(part, after, ref, plain, backend=backend.name, case=where, seed=seed)
+        assert_close("rmsnorm", host(backend, normed, "rmsnorm"), ref_ops.ref_rmsnorm(after, norm_w, 1e-6),
+                     _round(ref_ops.ref_rmsnorm(after, norm_w, 1e-6, dtype=F32), F16), backend=backend.name,
+                     case=f"{op}: {where}", seed=seed)
+
+
+@examples(*FUSED_EXAMPLES)
+def check_o_proj_residual_rmsnorm(backend, fmt, T, in_f, out_f, seed, case="", weights=None):
+    check_linear_residual_rmsnorm(backend, fmt, "o_proj_residual_rmsnorm", T, in_f, out_f, seed, case, weights)
+
+
+@examples(*FUSED_EXAMPLES)
+def check_down_residual_rmsnorm(backend, fmt, T, in_f, out_f, seed, case="", weights=None):
+    check_linear_residual_rmsnorm(backend, fmt, "down_residual_rmsnorm", T, in_f, out_f, seed, case, weights)
+
+
 @examples(dict(T=1, H=128, inter=128, seed=0))
 def check_gate_up_silu(backend, fmt, T, H, inter, seed, case="", weights=None):
     """gate_up_silu on rows [gate; up] of [2 inter, H] against ref_gate_up_silu."""
@@ -165,6 +207,8 @@ def check_linear(backend, fmt, op, T, in_f, rows, seed, case="", weights=None):
         check_qkv_proj(backend, fmt, T, in_f, rows, seed, case, weights)
     elif op == "gate_up_silu":
         check_gate_up_silu(backend, fmt, T, in_f, rows, seed, case, weights)
+    elif op.endswith("_rmsnorm"):
+        check_linear_residual_rmsnorm(backend, fmt, op, T, in_f, rows, seed, case, weights)
     else:
         check_linear_residual(backend, fmt, op, T, in_f, rows, seed, case, weights)
 

@@ -17,15 +17,18 @@ import importlib.util
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import engine
 import kernels
-from kernels import (BACKENDS, HELPERS, OPS, Backend, backend_available, backend_class, backend_names,
+from engine.formats import get_format
+from kernels import (BACKENDS, FUSED_OPS, HELPERS, OPS, Backend, backend_available, backend_class, backend_names,
                      backend_needs_device, get_backend, register_backend, unregister_backend)
 from kernels.base import _REGISTRY
 from kernels.numpy import NumpyBackend
 from ladder.checks import ops
+from ladder.checks.harness import quantized
 
 REPO = Path(__file__).resolve().parents[2]
 SCANNED = ("engine", "ladder", "fixtures", "bench")
@@ -119,6 +122,40 @@ def test_a_registered_third_backend_runs_the_engine_end_to_end(counting):
     assert calls["attention_prefill"] == layers and calls["lm_head"] >= 6 and calls["argmax"] >= 6
     never = [op for op in OPS if op != "decode_advance" and not calls[op]]
     assert not never, f"the engine never called {never} on the counting backend"
+
+
+@pytest.mark.parametrize("T", (1, 3))  # the decode step's GEMV path and a prefill's
+@pytest.mark.parametrize("fused", sorted(FUSED_OPS))
+def test_a_fused_op_calls_its_parts_where_one_is_wrapped(backend, fused, T):
+    """A fused op (FUSED_OPS) a backend runs as one kernel must call its parts instead while one of them is
+    replaced on the object (the ladder's op recorder, call counter, planted faults wrap the parts): each
+    wrapper sees its call, and the norm is written."""
+    fmt = get_format("int4_sym_g128")
+    if fmt.name not in backend.formats:
+        pytest.skip(f"backend {backend.name} has no {fmt.name} kernel")
+    rng = np.random.default_rng(0)
+    qw, _ = quantized(backend, fmt, rng.standard_normal((136, 256)).astype(np.float32) * 0.05)
+    x = backend.asarray(rng.standard_normal((T, 256)).astype(np.float16))
+    norm_w = backend.asarray(np.ones(136, np.float16))
+    for wrapped in FUSED_OPS[fused]:
+        seen = []
+        inner = getattr(backend, wrapped)
+
+        def spy(*args, _name=wrapped, _inner=inner):
+            seen.append(_name)
+            return _inner(*args)
+
+        setattr(backend, wrapped, spy)
+        try:
+            resid = backend.asarray(np.zeros((T, 136), np.float32))
+            out = backend.asarray(np.zeros((T, 136), np.float16))
+            getattr(backend, fused)(x, qw, resid, norm_w, 1e-6, out)
+            backend.synchronize()
+        finally:
+            delattr(backend, wrapped)
+        assert seen == [wrapped], f"{fused} with {wrapped} wrapped: the wrapper saw {seen}"
+        assert (np.abs(backend.to_numpy(out)) > 0).all(), f"{fused} with {wrapped} wrapped left norm rows unwritten"
+    assert not backend.parts_wrapped(fused)
 
 
 def test_a_registered_third_backend_passes_unit_cases(counting):

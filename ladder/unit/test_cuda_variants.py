@@ -21,7 +21,8 @@
   than the keys) and on every page edge, decode and prefill; head layouts the tensor-core and warp
   kernels do not hold going to paged_attention_f16; rmsnorm reading rows of a larger buffer, and on
   both sides of the row length it holds in registers (RMS_HELD elements a thread; longer rows take its
-  loop), for the decode step's one row and a prefill's rows; RoPE and the KV write on prefills long
+  loop), for the decode step's one row and a prefill's rows; the residual ops fused with the rmsnorm
+  after them on the prefill path, on both sides of that row length, bit for bit as their two ops; RoPE and the KV write on prefills long
   enough that a token gets fewer blocks; the captured decode graph following a wrapped op and its
   unwrapping, kept across turning it off and on, and captured again for a changed backend setting.
 
@@ -43,6 +44,7 @@ import engine
 from engine.formats import get_format
 from fixtures.cases import PAGE_BOUNDARY_LENGTHS, PagedCase, quantizable_weight, rng_for
 from fixtures.strategies import edge_strata
+from kernels import FUSED_OPS
 from ladder.plugin import selected_formats
 from ladder.changes.sources import cuda_module
 from ladder.checks.edges import gemv_edges
@@ -259,6 +261,38 @@ def _backend_setting(backend, **values):
     finally:
         for k, v in saved.items():
             setattr(backend, k, v)
+
+
+RMS = CATALOG.defines("rmsnorm.cu")  # rmsnorm's block and the row it holds in registers, read from its source
+
+
+def test_the_prefill_rmsnorm_fold_gives_the_bits_of_its_two_ops(backend, quant_format):
+    """The fused residual ops on the prefill path (`rmsnorm_fold`: the GEMM, then one kernel adding into the
+    residual and normalising) against the reference, and bit for bit against the two ops they replace,
+    on rows held in registers (RMS_HELD x RMS_THREADS) and one group past them (the loop), at 2 tokens and
+    65 (one past a 64-token tile)."""
+    if not hasattr(backend, "rmsnorm_fold"):
+        pytest.skip("the backend has no rmsnorm_fold: its fused ops are their two ops")
+    held = RMS["RMS_HELD"] * RMS["RMS_THREADS"]
+    rng = rng_for(7)
+    for rows in (held, held + 128):
+        qw, _ = quantized_and_read(backend, quant_format, quantizable_weight(rng, rows, 256))
+        norm_w = backend.asarray((1 + 0.1 * rng.standard_normal(rows)).astype(np.float16))
+        for T in (2, 65):
+            for op in FUSED_OPS:
+                check_linear(backend, quant_format, op, T, 256, rows, seed=rows + T, case=",prefill fold")
+            x = backend.asarray(rng.standard_normal((T, 256)).astype(np.float16))
+            start = rng.standard_normal((T, rows)).astype(np.float32) * 4
+            got = {}
+            for fold in (True, False):
+                with _backend_setting(backend, rmsnorm_fold=fold):
+                    resid, out = backend.asarray(start), backend.asarray(np.zeros((T, rows), np.float16))
+                    backend.down_residual_rmsnorm(x, qw, resid, norm_w, 1e-6, out)
+                    got[fold] = (backend.to_numpy(resid), backend.to_numpy(out))
+            for name, a, b in zip(("residual", "norm"), got[True], got[False]):
+                assert np.array_equal(a.view(np.uint32 if a.dtype == np.float32 else np.uint16),
+                                      b.view(np.uint32 if b.dtype == np.float32 else np.uint16)), (
+                    f"{quant_format.name}: the fold's {name} differs from the two ops' at T={T}, rows={rows}")
 
 
 @pytest.mark.parametrize("variant", ATTENTION_VARIANTS)

@@ -82,6 +82,18 @@ def test_linear_residual_adds_into_fp32_stream(backend, quant_format, op, shape,
     RESIDUAL_CHECKS[op](backend, quant_format, T, in_f, out_f, seed)
 
 
+FUSED_CHECKS = {"o_proj_residual_rmsnorm": ops.check_o_proj_residual_rmsnorm,
+                "down_residual_rmsnorm": ops.check_down_residual_rmsnorm}
+
+
+@pytest.mark.parametrize("op", list(FUSED_CHECKS))
+@given(shape=linear_shapes(), seed=seeds)
+@explicit(*FUSED_CHECKS.values(), drawn=as_linear_shape)
+def test_linear_residual_then_rmsnorm_fused_matches_both_parts(backend, quant_format, op, shape, seed):
+    T, in_f, out_f, _ = shape
+    FUSED_CHECKS[op](backend, quant_format, T, in_f, out_f, seed)
+
+
 @given(T=st.integers(1, 6), H=st.sampled_from((128, 256, 384)), inter=st.sampled_from((128, 256, 768)), seed=seeds)
 @explicit(ops.check_gate_up_silu)
 def test_gate_up_silu_fused(backend, quant_format, T, H, inter, seed):
