@@ -183,10 +183,13 @@ class Backend(abc.ABC):
 
     def parts_wrapped(self, fused: str) -> bool:
         """True when a part of fused op `fused` is replaced on this object (an instance attribute: the
-        ladder's op recorder, call counter or planted fault). An override that runs the fused op as one
-        kernel must then call the parts instead (Backend's method), so that the wrapper sees every call
-        of its op."""
-        return any(part in vars(self) for part in FUSED_OPS[fused])
+        ladder's op recorder, a planted fault) by a wrapper that must see every call of its op. An
+        override that runs the fused op as one kernel must then call the parts instead (Backend's
+        method). A wrapper marked `observes_only` (it calls the op it replaced with the same arguments
+        and only notes the call: the ladder's call counter) does not count: under it the rungs run the
+        fused kernel itself."""
+        own = vars(self)
+        return any(part in own and not getattr(own[part], "observes_only", False) for part in FUSED_OPS[fused])
 
     @abc.abstractmethod
     def lm_head(self, x, weight, out):

@@ -139,6 +139,7 @@ def test_a_fused_op_calls_its_parts_where_one_is_wrapped(backend, fused, T):
     norm_w = backend.asarray(np.ones(136, np.float16))
     for wrapped in FUSED_OPS[fused]:
         seen = []
+        had = vars(backend).get(wrapped)  # the rungs' own wrapper (the call counter), put back after
         inner = getattr(backend, wrapped)
 
         def spy(*args, _name=wrapped, _inner=inner):
@@ -152,10 +153,55 @@ def test_a_fused_op_calls_its_parts_where_one_is_wrapped(backend, fused, T):
             getattr(backend, fused)(x, qw, resid, norm_w, 1e-6, out)
             backend.synchronize()
         finally:
-            delattr(backend, wrapped)
+            if had is None:
+                delattr(backend, wrapped)
+            else:
+                setattr(backend, wrapped, had)
         assert seen == [wrapped], f"{fused} with {wrapped} wrapped: the wrapper saw {seen}"
         assert (np.abs(backend.to_numpy(out)) > 0).all(), f"{fused} with {wrapped} wrapped left norm rows unwritten"
     assert not backend.parts_wrapped(fused)
+
+
+@pytest.mark.parametrize("fused", sorted(FUSED_OPS))
+def test_an_observing_wrapper_leaves_a_fused_op_fused_and_its_results_alone(backend, fused):
+    """A wrapper marked `observes_only` (the ladder's call counter, on every op of the rungs' backend) does not
+    make a backend call a fused op's parts (Backend.parts_wrapped), and changes no bit of its results:
+    the rungs check the fused kernel itself. A prefill's 3 tokens: the CUDA backend's one kernel."""
+    fmt = get_format("int4_sym_g128")
+    if fmt.name not in backend.formats:
+        pytest.skip(f"backend {backend.name} has no {fmt.name} kernel")
+    rng = np.random.default_rng(1)
+    qw, _ = quantized(backend, fmt, rng.standard_normal((136, 256)).astype(np.float32) * 0.05)
+    x = backend.asarray(rng.standard_normal((3, 256)).astype(np.float16))
+    norm_w = backend.asarray((1 + 0.1 * rng.standard_normal(136)).astype(np.float16))
+    start = rng.standard_normal((3, 136)).astype(np.float32)
+
+    def run():
+        resid, out = backend.asarray(start.copy()), backend.asarray(np.zeros((3, 136), np.float16))
+        getattr(backend, fused)(x, qw, resid, norm_w, 1e-6, out)
+        return backend.to_numpy(resid).copy(), backend.to_numpy(out).copy()
+
+    had = {part: vars(backend)[part] for part in FUSED_OPS[fused] if part in vars(backend)}
+    plain = run()
+    for part in FUSED_OPS[fused]:
+        inner = getattr(backend, part)
+
+        def observer(*args, _inner=inner):
+            return _inner(*args)
+
+        observer.observes_only = True
+        setattr(backend, part, observer)
+    try:
+        assert not backend.parts_wrapped(fused)
+        observed = run()
+    finally:
+        for part in FUSED_OPS[fused]:
+            if part in had:
+                setattr(backend, part, had[part])
+            else:
+                delattr(backend, part)
+    for a, b in zip(plain, observed):
+        assert a.tobytes() == b.tobytes(), f"{fused}: an observing wrapper changed its results"
 
 
 def test_a_registered_third_backend_passes_unit_cases(counting):

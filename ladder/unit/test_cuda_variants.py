@@ -286,13 +286,58 @@ def test_the_prefill_rmsnorm_fold_gives_the_bits_of_its_two_ops(backend, quant_f
             got = {}
             for fold in (True, False):
                 with _backend_setting(backend, rmsnorm_fold=fold):
-                    resid, out = backend.asarray(start), backend.asarray(np.zeros((T, rows), np.float16))
+                    resid, out = backend.asarray(start.copy()), backend.asarray(np.zeros((T, rows), np.float16))
                     backend.down_residual_rmsnorm(x, qw, resid, norm_w, 1e-6, out)
                     got[fold] = (backend.to_numpy(resid), backend.to_numpy(out))
             for name, a, b in zip(("residual", "norm"), got[True], got[False]):
                 assert np.array_equal(a.view(np.uint32 if a.dtype == np.float32 else np.uint16),
                                       b.view(np.uint32 if b.dtype == np.float32 else np.uint16)), (
                     f"{quant_format.name}: the fold's {name} differs from the two ops' at T={T}, rows={rows}")
+
+
+class _LaunchTee(set):
+    """The launches of a block of code, also handed on to the observer that was set (the launch map's
+    recording, when the rung records one), so watching here hides nothing from it."""
+
+    def __init__(self, onward):
+        super().__init__()
+        self.onward = onward
+
+    def add(self, unit):
+        super().add(unit)
+        if self.onward is not None:
+            self.onward.add(unit)
+
+
+def test_the_rungs_backend_runs_the_fused_prefill_kernel(backend, quant_format):
+    """The rungs' backend object carries the ladder's call counter on every op (ladder/plugin/instrument.py),
+    which only observes: under it a fused op must still run as its one kernel, or no rung would check that
+    kernel (the nightly's mutants of it survived when the counter forced the parts). With `rmsnorm_fold`
+    off the same call runs the two ops' kernels."""
+    if not hasattr(backend, "rmsnorm_fold"):
+        pytest.skip("the backend has no rmsnorm_fold: its fused ops are their two ops")
+    from kernels.base import launch_observer, observe_launches
+
+    rng = rng_for(11)
+    qw, _ = quantized_and_read(backend, quant_format, quantizable_weight(rng, 136, 256))
+    x = backend.asarray(rng.standard_normal((3, 256)).astype(np.float16))
+    norm_w = backend.asarray(np.ones(136, np.float16))
+    launched = {}
+    for fold in (True, False):
+        with _backend_setting(backend, rmsnorm_fold=fold):
+            onward = launch_observer()
+            tee = _LaunchTee(onward)
+            observe_launches(tee)
+            try:
+                resid = backend.asarray(np.zeros((3, 136), np.float32))
+                backend.down_residual_rmsnorm(x, qw, resid, norm_w, 1e-6, backend.asarray(np.zeros((3, 136), np.float16)))
+                backend.synchronize()
+            finally:
+                observe_launches(onward)
+            launched[fold] = {u.split("::")[-1] for u in tee}
+    assert "residual_add_rmsnorm_f32_f16" in launched[True], f"the fold on launched {sorted(launched[True])}"
+    assert "residual_add_rmsnorm_f32_f16" not in launched[False] and "rmsnorm_f32_f16" in launched[False], (
+        f"the fold off launched {sorted(launched[False])}")
 
 
 @pytest.mark.parametrize("variant", ATTENTION_VARIANTS)
