@@ -14,6 +14,7 @@ import engine
 from engine.errors import ModelClosedError, PromptTooLongError, TokenIdError
 from engine.kv_cache import PagedKVCache
 from fixtures.tiny_model import random_model_file
+from ladder.checks.harness import under_memcheck
 from ladder.judges.compare import assert_close
 from fixtures.dequantized import dequantized_weights
 from reference.model import ref_forward
@@ -164,7 +165,11 @@ def test_a_closed_model_hands_its_memory_back_and_refuses_to_run(model_path, bac
     """Model.close drops the weights, cache and workspaces and calls the backend's release_memory: on a
     device backend the pool's used bytes return to what they were before the load and the pool holds no
     more memory than it did then (the freed blocks went back to the device, where torch in the same
-    process can allocate them); on the host the arrays are gone."""
+    process can allocate them); on the host the arrays are gone. With CuPy's pool off (POOL_VARIABLE "0": a
+    run under memcheck, `nanoqwen mutate`'s second look) there is no pool to measure, and the case skips:
+    failing there, it would count every surviving mutant whose cases include it as caught."""
+    if backend.needs_device and under_memcheck():
+        pytest.skip("CuPy's memory pool is off (a run under memcheck): this case measures the pool")
     import gc
     import weakref
 
