@@ -9,9 +9,9 @@ format's byte layout itself (an independent reading of docs/FORMAT.md).
 
 from __future__ import annotations
 
-from kernels.base import (FUSED_OPS, HELPERS, OPS, Backend, BackendUnavailableError, FormatNotSupportedError, QuantizedWeight,
-                          backend_available, backend_class, backend_names, backend_needs_device, get_backend,
-                          register_backend, unregister_backend)
+from kernels.base import (FUSED_OPS, HELPERS, OPS, Backend, BackendUnavailableError, FormatNotSupportedError,
+                          QuantizedWeight, backend_available, backend_class, backend_names, backend_needs_device,
+                          get_backend, register_backend, unregister_backend)
 
 # The registry: one line per backend (name, "module:Class", whether it needs an accelerator).
 register_backend("numpy", "kernels.numpy:NumpyBackend")
@@ -19,9 +19,9 @@ register_backend("cuda", "kernels.cuda:CudaBackend", needs_device=True)
 
 BACKENDS = backend_names()  # the backends registered at import (a test may register more later)
 
-__all__ = ["FUSED_OPS", "HELPERS", "OPS", "BACKENDS", "Backend", "BackendUnavailableError", "FormatNotSupportedError",
-           "QuantizedWeight", "backend_available", "backend_class", "backend_names", "backend_needs_device",
-           "cuda_available", "get_backend", "register_backend", "unregister_backend"]
+__all__ = ["FUSED_OPS", "HELPERS", "OPS", "BACKENDS", "Backend", "BackendUnavailableError",
+           "FormatNotSupportedError", "QuantizedWeight", "backend_available", "backend_class", "backend_names",
+           "backend_needs_device", "cuda_available", "get_backend", "register_backend", "unregister_backend"]
 
 
 def cuda_available() -> tuple[bool, str]:

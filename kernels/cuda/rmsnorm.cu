@@ -69,8 +69,8 @@ rmsnorm_f32_f16(const float* __restrict__ x, const f16_bits* __restrict__ weight
 // fp32 sum and thread i sums the same elements in the same order as rmsnorm_f32_f16 at RMS_THREADS. Rows
 // up to RMS_HELD x the block are held in registers (every load issued at once), longer ones loop.
 extern "C" __global__ void __launch_bounds__(RMS_THREADS)
-residual_add_rmsnorm_f32_f16(const float* __restrict__ y, float* __restrict__ resid, const f16_bits* __restrict__ weight,
-                             f16_bits* __restrict__ out, int H, float eps) {
+residual_add_rmsnorm_f32_f16(const float* __restrict__ y, float* __restrict__ resid,
+                             const f16_bits* __restrict__ weight, f16_bits* __restrict__ out, int H, float eps) {
     __shared__ float scratch[WARP];
     const int n = blockDim.x;
     const size_t row = (size_t)blockIdx.x * H;

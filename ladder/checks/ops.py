@@ -146,8 +146,8 @@ def check_down_residual(backend, fmt, T, in_f, out_f, seed, case="", weights=Non
 
 
 # The fused ops (kernels/base.py FUSED_OPS): a residual op and the rmsnorm after it. T = 1 is the decode
-# step's call (on the CUDA backend one kernel, the GEMV's last block normalising); 136 rows: past 128, so
-# blocks of 8 and 16 rows leave a partial last block.
+# step's call (the two ops on the CUDA backend), T = 3 a prefill's (one epilogue kernel there); 136 rows:
+# past 128, so GEMV blocks of 8 and 16 rows leave a partial last block.
 FUSED_EXAMPLES = (dict(T=1, in_f=512, out_f=136, seed=0), dict(T=3, in_f=256, out_f=128, seed=1))
 
 

@@ -22,8 +22,9 @@
   kernels do not hold going to paged_attention_f16; rmsnorm reading rows of a larger buffer, and on
   both sides of the row length it holds in registers (RMS_HELD elements a thread; longer rows take its
   loop), for the decode step's one row and a prefill's rows; the residual ops fused with the rmsnorm
-  after them on the prefill path, on both sides of that row length, bit for bit as their two ops; RoPE and the KV write on prefills long
-  enough that a token gets fewer blocks; the captured decode graph following a wrapped op and its
+  after them on the prefill path, on both sides of that row length, bit for bit as their two ops, and
+  run as their one kernel under the rungs' call counter; RoPE and the KV write on prefills long enough
+  that a token gets fewer blocks; the captured decode graph following a wrapped op and its
   unwrapping, kept across turning it off and on, and captured again for a changed backend setting.
 
 The comparisons are the unit rung's op checks (ladder/checks/ops.py): `check_*` against `reference.ops`
@@ -330,7 +331,8 @@ def test_the_rungs_backend_runs_the_fused_prefill_kernel(backend, quant_format):
             observe_launches(tee)
             try:
                 resid = backend.asarray(np.zeros((3, 136), np.float32))
-                backend.down_residual_rmsnorm(x, qw, resid, norm_w, 1e-6, backend.asarray(np.zeros((3, 136), np.float16)))
+                out = backend.asarray(np.zeros((3, 136), np.float16))
+                backend.down_residual_rmsnorm(x, qw, resid, norm_w, 1e-6, out)
                 backend.synchronize()
             finally:
                 observe_launches(onward)
