@@ -371,6 +371,60 @@ def test_a_survivor_s_second_look_kills_it_under_the_tool_that_reports_and_says_
     assert w.second_look(ids) == {}
 
 
+# A stand-in whose verdict depends on the tree: under the tools FLAGGED it reports an error (exit N) while
+# the file $MARK exists (the mutant is written), and under the tools FAILING a case fails (exit 1) whatever
+# the tree holds (a case that cannot pass under the tool, like one measuring CuPy's pool).
+TREE_SANITIZER = """#!/bin/sh
+tool=$2; code=$4; shift 6
+case " $FAILING " in *" $tool "*) echo "1 failed"; exit 1;; esac
+if [ -e "$MARK" ]; then case " $FLAGGED " in *" $tool "*) echo "========= Invalid __global__ read"; exit $code;; esac; fi
+exec "$@"
+"""
+
+
+def test_a_second_look_verdict_counts_only_where_the_unmutated_tree_passes_under_the_tool(tmp_path):
+    import contextlib
+
+    from ladder.tools.mutate import Worker
+
+    fake = tmp_path / "compute-sanitizer"
+    fake.write_text(TREE_SANITIZER)
+    fake.chmod(0o755)
+    mark = tmp_path / "mutated"
+    w = Worker(tmp_path / "copy", 0, "numpy", ["unit"], None, [], {}, {}, child_env("numpy", pythonpath=str(ROOT)), [])
+    w.sanitizer = str(fake)
+    w.env.update(MARK=str(mark), FLAGGED="racecheck", FAILING="")
+    ids = ["ladder/unit/test_format_int4.py::test_weights_the_format_cannot_hold_are_refused"]
+    swaps = []
+
+    @contextlib.contextmanager
+    def unmutated(reverts: bool):
+        swaps.append(reverts)
+        if reverts:
+            mark.unlink()
+        try:
+            yield
+        finally:
+            mark.touch()
+
+    mark.touch()
+    # the mutant alone makes racecheck report: caught, after one look at the unmutated tree
+    assert w.second_look(ids, unmutated=lambda: unmutated(True)) == {"caught_by": "racecheck"}
+    assert swaps == [True] and mark.exists()
+    # racecheck reports on the unmutated tree too: no verdict, and that tree is asked once per tool and cases
+    w._unmutated_looks.clear()
+    for _ in range(2):
+        look = w.second_look(ids, unmutated=lambda: unmutated(False))
+        assert look == {"second_look": "memcheck clean, racecheck: the cases fail under it unmutated too (no verdict)"}
+    assert swaps == [True, False]
+    # a case that fails under memcheck whatever the tree holds kills nothing
+    w.env.update(FLAGGED="", FAILING="memcheck")
+    assert w.second_look(ids, unmutated=lambda: unmutated(True)) == {
+        "second_look": "memcheck: the cases fail under it unmutated too (no verdict), racecheck clean"}
+    # without the unmutated tree to ask (a caller that has none), a failing case still counts
+    assert w.second_look(ids) == {"caught_by": "memcheck (a case failed under it)"}
+
+
 @skip_inside_nested_run
 def test_mutate_exits_1_when_weaker_than_its_baseline(tmp_path):
     # an attention mutant, where only rope cases run: no case launches it, and the claimed baseline killed it

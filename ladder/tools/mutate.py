@@ -42,6 +42,7 @@ writes one report holding both runs' results: a sample larger than one job's tim
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import datetime
 import json
 import os
@@ -120,6 +121,16 @@ def sample(mutants: list[Mutant], n: int | None, seed: int) -> list[Mutant]:
 
 class MutateError(NanoqwenError):
     """The run cannot judge mutants: the rungs are red on the unmutated tree (one line, exit 2)."""
+
+
+@contextlib.contextmanager
+def _written(path: Path, text: str, after: str):
+    """`path` holds `text` inside the block and `after` again when it ends."""
+    path.write_text(text)
+    try:
+        yield
+    finally:
+        path.write_text(after)
 
 
 def _rung_args(rung: str, root: Path, backend: str, extra: list[str]) -> list[str]:
@@ -216,6 +227,7 @@ class Worker:
         self.server = None
         self.stop_at = None  # perf_counter time of the run's hard stop (--budget), if any
         self.sanitizer = None  # compute-sanitizer, for the second look at a survivor (device backends)
+        self._unmutated_looks: dict[tuple, bool] = {}  # (tool, case ids) -> they fail under it unmutated too
 
     def _start(self):
         self.server = subprocess.Popen([sys.executable, "-m", "ladder.tools.forkserver",
@@ -284,7 +296,7 @@ class Worker:
                     return {**rec, "hung": hung} if hung else rec
             if not launched:
                 return {"outcome": "not_launched", "rung": None, "seconds": round(time.perf_counter() - t0, 2), "cases": cases}
-            look = self.second_look(dict(plan).get("unit", []))
+            look = self.second_look(dict(plan).get("unit", []), unmutated=lambda: _written(path, original, mutated))
             rec = {"outcome": "survived", "rung": None, "cases": cases, **look}
             if look.get("caught_by"):
                 rec.update(outcome="killed", rung="unit")
@@ -292,17 +304,20 @@ class Worker:
         finally:
             path.write_text(original)
 
-    def second_look(self, ids: list[str]) -> dict:
+    def second_look(self, ids: list[str], unmutated=None) -> dict:
         """A survivor's unit-rung cases again under compute-sanitizer, each tool of SECOND_LOOK in turn, in a
         fresh process with CuPy's memory pool off (ladder/tools/sanitizer.py): a write past an output, a read
         past a weight's last row or a missing barrier changes no value the checks compare, but the tools see
         it. {"caught_by": tool} when a tool reports an error, or a case fails under it (an over-read that
         met real garbage instead of pooled zeros); {"second_look": what ran} otherwise; {} when there is no
-        sanitizer (a host backend) or no unit case."""
+        sanitizer (a host backend) or no unit case.
+
+        `unmutated`: a context manager factory under which the tree holds the original source. A tool's
+        verdict against the mutant counts only where the same cases pass under it unmutated: a case that
+        cannot pass under the tool at all (one that measures CuPy's pool, which the look turns off) would
+        otherwise call every survivor whose cases include it caught. Asked once per tool and case list."""
         if not self.sanitizer or not ids:
             return {}
-        from ladder.tools.sanitizer import ERROR_EXIT, POOL_VARIABLE, command
-
         looked = []
         for tool in SECOND_LOOK:
             limit = SANITIZER_FACTOR * self.timeout_for("unit", ids)
@@ -310,25 +325,48 @@ class Worker:
                 limit = min(limit, self.stop_at - time.perf_counter())
                 if limit <= 0:
                     break
-            argv = [sys.executable, "-m", "pytest", *ids, *_rung_args("unit", self.dir, self.backend,
-                                                                      ["-x", "-p", "no:xdist", *self.extra])]
-            with open(self.log, "w") as out:
-                proc = subprocess.Popen(command(self.sanitizer, tool, *argv, print_limit=5), cwd=self.dir,
-                                        env={**self.env, POOL_VARIABLE: "0"}, stdout=out, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
-                try:
-                    code = proc.wait(timeout=limit)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-                    looked.append(f"{tool} past {limit:.0f} s (no verdict)")
-                    continue
-            if code == ERROR_EXIT:
-                return {"caught_by": tool}
-            if code not in (0, 5):
-                return {"caught_by": f"{tool} (a case failed under it)"}
-            looked.append(f"{tool} clean")
+            verdict = self._look(tool, ids, limit)
+            if verdict is None:
+                looked.append(f"{tool} past {limit:.0f} s (no verdict)")
+                continue
+            if verdict == "clean":
+                looked.append(f"{tool} clean")
+                continue
+            if unmutated is not None and self._fails_unmutated(tool, ids, limit, unmutated):
+                looked.append(f"{tool}: the cases fail under it unmutated too (no verdict)")
+                continue
+            return {"caught_by": tool if verdict == "error" else f"{tool} (a case failed under it)"}
         return {"second_look": ", ".join(looked)} if looked else {}
+
+    def _look(self, tool: str, ids: list[str], limit: float) -> str | None:
+        """The unit cases `ids` under `tool`, the pool off: "clean", "error" (the tool reported one),
+        "failed" (a case failed under it), or None (past `limit`)."""
+        from ladder.tools.sanitizer import ERROR_EXIT, POOL_VARIABLE, command
+
+        argv = [sys.executable, "-m", "pytest", *ids, *_rung_args("unit", self.dir, self.backend,
+                                                                  ["-x", "-p", "no:xdist", *self.extra])]
+        with open(self.log, "w") as out:
+            proc = subprocess.Popen(command(self.sanitizer, tool, *argv, print_limit=5), cwd=self.dir,
+                                    env={**self.env, POOL_VARIABLE: "0"}, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            try:
+                code = proc.wait(timeout=limit)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                return None
+        if code == ERROR_EXIT:
+            return "error"
+        return "clean" if code in (0, 5) else "failed"
+
+    def _fails_unmutated(self, tool: str, ids: list[str], limit: float, unmutated) -> bool:
+        """Whether `ids` also fail (or report) under `tool` with the original source; past `limit`, taken as
+        passing (the mutant's verdict stands)."""
+        key = (tool, tuple(ids))
+        if key not in self._unmutated_looks:
+            with unmutated():
+                self._unmutated_looks[key] = self._look(tool, ids, limit) not in ("clean", None)
+        return self._unmutated_looks[key]
 
     def timeout_for(self, rung: str, ids: list[str]) -> float:
         """--timeout where given; else a start-up allowance (imports, collection) plus every case's own
