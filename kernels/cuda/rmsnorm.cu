@@ -19,6 +19,38 @@
 #define RMS_THREADS 256      // a block per token row (the launcher's block for T > 1) ...
 #define RMS_THREADS_ONE 1024 // ... and for the one row of a decode step (T = 1)
 
+// The two kernels' shared steps. Held rows: a thread's RMS_HELD slots of the row (slot j is element
+// threadIdx.x + j * blockDim.x; a slot past H holds 0, and fmaf(0, 0, s) == s for s >= +0) and of the weight.
+__device__ __forceinline__ void load_held_weight(f16_bits (&w)[RMS_HELD], const f16_bits* __restrict__ weight, int H) {
+#pragma unroll
+    for (int j = 0; j < RMS_HELD; ++j) {
+        const int i = threadIdx.x + j * blockDim.x;
+        w[j] = i < H ? weight[i] : (f16_bits)0;
+    }
+}
+
+// o = v / sqrt(mean(v^2) + eps) * w, after this thread's sum of squares `ss` in slot order (one fmaf
+// each): block_sum's tree, then x * inv first, * weight, one fp16 rounding at the store.
+__device__ __forceinline__ void store_held_norm(const float (&v)[RMS_HELD], const f16_bits (&w)[RMS_HELD],
+                                                f16_bits* __restrict__ o, int H, float ss, float eps, float* scratch) {
+    ss = block_sum(ss, scratch);
+    const float inv = 1.0f / sqrtf(ss / (float)H + eps);
+#pragma unroll
+    for (int j = 0; j < RMS_HELD; ++j) {
+        const int i = threadIdx.x + j * blockDim.x;
+        if (i < H) o[i] = f2h(v[j] * inv * h2f(w[j]));
+    }
+}
+
+// The loop for any H, after this thread's sum of squares `ss` over elements i, i + blockDim.x, ...:
+// o = xr * inv * weight.
+__device__ __forceinline__ void store_loop_norm(const float* __restrict__ xr, const f16_bits* __restrict__ weight,
+                                                f16_bits* __restrict__ o, int H, float ss, float eps, float* scratch) {
+    ss = block_sum(ss, scratch);
+    const float inv = 1.0f / sqrtf(ss / (float)H + eps);
+    for (int i = threadIdx.x; i < H; i += blockDim.x) o[i] = f2h(xr[i] * inv * h2f(weight[i]));
+}
+
 // __launch_bounds__: the decode step's block is 1024 threads, so a thread gets 64 registers at most.
 // held: 0 takes the loop at any H (the backend's `rmsnorm_held` off, so that the bench can time both).
 extern "C" __global__ void __launch_bounds__(RMS_THREADS_ONE)
@@ -30,11 +62,7 @@ rmsnorm_f32_f16(const float* __restrict__ x, const f16_bits* __restrict__ weight
     f16_bits* o = out + (size_t)t * H;
     if (held && H <= RMS_HELD * n) {
         f16_bits w[RMS_HELD];
-#pragma unroll
-        for (int j = 0; j < RMS_HELD; ++j) {
-            const int i = threadIdx.x + j * n;
-            w[j] = i < H ? weight[i] : (f16_bits)0;
-        }
+        load_held_weight(w, weight, H);
         pdl_enter();  // common.cuh: x is the previous kernel's residual
         float v[RMS_HELD];
 #pragma unroll
@@ -45,21 +73,13 @@ rmsnorm_f32_f16(const float* __restrict__ x, const f16_bits* __restrict__ weight
         float ss = 0.0f;
 #pragma unroll
         for (int j = 0; j < RMS_HELD; ++j) ss = fmaf(v[j], v[j], ss);
-        ss = block_sum(ss, scratch);
-        const float inv = 1.0f / sqrtf(ss / (float)H + eps);
-#pragma unroll
-        for (int j = 0; j < RMS_HELD; ++j) {
-            const int i = threadIdx.x + j * n;
-            if (i < H) o[i] = f2h(v[j] * inv * h2f(w[j]));
-        }
+        store_held_norm(v, w, o, H, ss, eps, scratch);
         return;
     }
     pdl_enter();
     float ss = 0.0f;
     for (int i = threadIdx.x; i < H; i += n) ss = fmaf(xr[i], xr[i], ss);
-    ss = block_sum(ss, scratch);
-    const float inv = 1.0f / sqrtf(ss / (float)H + eps);
-    for (int i = threadIdx.x; i < H; i += n) o[i] = f2h(xr[i] * inv * h2f(weight[i]));
+    store_loop_norm(xr, weight, o, H, ss, eps, scratch);
 }
 
 // The fused ops o_proj_residual_rmsnorm and down_residual_rmsnorm on the prefill path (CudaBackend,
@@ -79,13 +99,9 @@ residual_add_rmsnorm_f32_f16(const float* __restrict__ y, float* __restrict__ re
     f16_bits* o = out + row;
     if (H <= RMS_HELD * n) {
         f16_bits w[RMS_HELD];
-        float v[RMS_HELD];
-#pragma unroll
-        for (int j = 0; j < RMS_HELD; ++j) {
-            const int i = threadIdx.x + j * n;
-            w[j] = i < H ? weight[i] : (f16_bits)0;
-        }
+        load_held_weight(w, weight, H);
         pdl_enter();  // common.cuh: y and the residual are earlier kernels' outputs
+        float v[RMS_HELD];
 #pragma unroll
         for (int j = 0; j < RMS_HELD; ++j) {
             const int i = threadIdx.x + j * n;
@@ -98,13 +114,7 @@ residual_add_rmsnorm_f32_f16(const float* __restrict__ y, float* __restrict__ re
             if (i < H) xr[i] = v[j];
             ss = fmaf(v[j], v[j], ss);
         }
-        ss = block_sum(ss, scratch);
-        const float inv = 1.0f / sqrtf(ss / (float)H + eps);
-#pragma unroll
-        for (int j = 0; j < RMS_HELD; ++j) {
-            const int i = threadIdx.x + j * n;
-            if (i < H) o[i] = f2h(v[j] * inv * h2f(w[j]));
-        }
+        store_held_norm(v, w, o, H, ss, eps, scratch);
         return;
     }
     pdl_enter();
@@ -114,7 +124,5 @@ residual_add_rmsnorm_f32_f16(const float* __restrict__ y, float* __restrict__ re
         xr[i] = v;  // read back below by the thread that wrote it: no barrier needed
         ss = fmaf(v, v, ss);
     }
-    ss = block_sum(ss, scratch);
-    const float inv = 1.0f / sqrtf(ss / (float)H + eps);
-    for (int i = threadIdx.x; i < H; i += n) o[i] = f2h(xr[i] * inv * h2f(weight[i]));
+    store_loop_norm(xr, weight, o, H, ss, eps, scratch);
 }
