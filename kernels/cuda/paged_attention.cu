@@ -46,6 +46,17 @@ __device__ __forceinline__ SplitPages split_pages(const int* __restrict__ positi
     return s;
 }
 
+// A split's result for query head h of token t, in the layout attention_combine_f16 reads: column c of the
+// unnormalised output into part_acc [T, nq, splits, d], and from column 0 the head's running max and sum
+// into part_m and part_l [T, nq, splits]. Every decode-attention kernel stores its splits through here.
+__device__ __forceinline__ void store_split(float* __restrict__ part_m, float* __restrict__ part_l,
+                                            float* __restrict__ part_acc, int t, int nq, int h, int splits, int z,
+                                            int d, int c, float acc, float m, float l) {
+    const size_t pi = ((size_t)t * nq + h) * splits + z;
+    part_acc[pi * d + c] = acc;
+    if (c == 0) { part_m[pi] = m; part_l[pi] = l; }
+}
+
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
 paged_attention_f16(const f16_bits* __restrict__ q, const f16_bits* __restrict__ k_pages,
                     const f16_bits* __restrict__ v_pages, const int* __restrict__ page_table,
@@ -157,9 +168,7 @@ paged_attention_f16(const f16_bits* __restrict__ q, const f16_bits* __restrict__
             if (splits == 1) {
                 out[((size_t)t * nq + h) * d + c] = f2h(acc[k] / Ls[g]);
             } else {
-                const size_t pi = ((size_t)t * nq + h) * splits + z;
-                part_acc[pi * d + c] = acc[k];
-                if (c == 0) { part_m[pi] = Ms[g]; part_l[pi] = Ls[g]; }
+                store_split(part_m, part_l, part_acc, t, nq, h, splits, z, d, c, acc[k], Ms[g], Ls[g]);
             }
         }
     }
@@ -339,9 +348,7 @@ __device__ __forceinline__ void attention_warp_pages(const f16_bits* __restrict_
         if (splits == 1) {
             out[((size_t)t * nq + h) * D + c] = f2h(A / L);
         } else {  // an empty split writes l = 0 (and m = -inf, acc = 0): the combine gives it weight 0
-            const size_t pi = ((size_t)t * nq + h) * splits + z;
-            part_acc[pi * D + c] = A;
-            if (c == 0) { part_m[pi] = M; part_l[pi] = L; }
+            store_split(part_m, part_l, part_acc, t, nq, h, splits, z, D, c, A, M, L);
         }
     }
 }
@@ -815,9 +822,7 @@ __device__ __forceinline__ void attention_tc_pages(const f16_bits* __restrict__ 
         if (splits == 1) {
             out[((size_t)t * nq + h) * D + col] = f2h(A / Lb[g]);
         } else {
-            const size_t pi = ((size_t)t * nq + h) * splits + z;
-            part_acc[pi * D + col] = A;
-            if (col == 0) { part_m[pi] = Mb[g]; part_l[pi] = Lb[g]; }
+            store_split(part_m, part_l, part_acc, t, nq, h, splits, z, D, col, A, Mb[g], Lb[g]);
         }
     }
 }
