@@ -27,6 +27,7 @@ import ast
 import hashlib
 import io
 import re
+import threading
 import tokenize
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -268,12 +269,20 @@ def mutants_of(root: Path, rel: str) -> list[Mutant]:
     raise ValueError(f"{rel}: not a Python or CUDA source")
 
 
+# `nanoqwen mutate`'s workers are threads, and each asks `compiles`. CPython 3.11 keeps the AST builder's
+# recursion count per interpreter, not per thread: two parses at once can fail with "SystemError: AST
+# constructor recursion depth mismatch" (python/cpython gh-106905; it failed a CI run's mutate self-test).
+# One parse at a time.
+_PARSE = threading.Lock()
+
+
 def compiles(rel: str, source: str) -> bool:
     """Whether a mutated Python source still parses (CUDA sources are compiled by the rungs themselves)."""
     if not rel.endswith(".py"):
         return True
     try:
-        ast.parse(source)
+        with _PARSE:
+            ast.parse(source)
     except SyntaxError:
         return False
     return True
