@@ -10,7 +10,8 @@ First the planted kernels must be flagged, or the script fails (a blind sanitize
   - `planted_uninit`: a read of device memory nothing wrote (initcheck).
 Then every op of the backend at small shapes (`run_ops`: the quantized linears' GEMV and prefill paths in
 every format the backend has a launcher for, each GEMV in its default variant and then every variant at
-its tail shape, where its loop wraps and its last block holds one row; split-K attention with
+its tail shape, where its loop wraps and its last block holds one row; the INT4 formats' wgmma prefill
+kernel, one block a tile and spread over fewer blocks; split-K attention with
 NaN-filled free pages, RoPE page writes, embed, rmsnorm, lm_head (also at its tail: a partial last
 warp, a wrapped loop, three tokens), argmax, decode_advance), through the
 unit rung's op checks (ladder/checks/ops.py, against reference/) on explicit inputs, must run with no
@@ -116,6 +117,7 @@ def run_ops(be, say=lambda line: print(line, flush=True)) -> None:
             ops.check_linear_residual_rmsnorm(be, fmt, "o_proj_residual_rmsnorm", T, 256, 136, seed=1)
             ops.check_linear_residual_rmsnorm(be, fmt, "down_residual_rmsnorm", T, 384, 40, seed=1)
         run_gemv_tails(be, fmt, say)
+        run_wgmma(be, fmt, say)
     on_examples(ops.check_rope_kv_write, dict(T=20, start=8190, nkv=4, ratio=2, d=64, theta=1e4, layout="sparse", seed=3))
     # every decode-attention kernel the backend ships (ATTENTION_VARIANTS of its module); the knobs as shipped after
     knobs = ("attention_variant", "pages_per_split")
@@ -142,6 +144,32 @@ def run_ops(be, say=lambda line: print(line, flush=True)) -> None:
     ops.check_lm_head(be, V=V, H=H, seed=4, T=3)
     on_examples(ops.check_argmax, dict(V=1, ties=0, seed=2), dict(V=2, ties=5, seed=3))
     on_examples(ops.check_decode_advance)
+
+
+def run_wgmma(be, fmt, say) -> None:
+    """The format's wgmma prefill kernel, where it has one (the prefill cases above are below its 64 tokens):
+    one block a tile, and spread over 3 blocks (8 partial tiles of 3 groups: tiles cut between blocks, their
+    totals carried through global memory behind a flag)."""
+    from ladder.checks import ops
+
+    if not _has_wgmma(be, fmt):
+        return
+    saved = be.prefill_variant.get(fmt.name), be.wgmma_spread_blocks
+    be.prefill_variant[fmt.name] = "wgmma"
+    try:
+        for blocks in (0, 3):
+            say(f"SANITIZE-CHILD wgmma prefill of {fmt.name}, spread over {blocks or 'no'} blocks")
+            be.wgmma_spread_blocks = blocks
+            ops.check_linear_residual(be, fmt, "o_proj_residual", 129, 384, 449, seed=5)
+    finally:
+        be.prefill_variant[fmt.name], be.wgmma_spread_blocks = saved
+
+
+def _has_wgmma(be, fmt) -> bool:
+    from ladder.changes.sources import cuda_module  # the catalog by file path: no CuPy on the NumPy backend
+
+    return hasattr(be, "wgmma_spread_blocks") and "wgmma" in (
+        cuda_module("catalog").launchers().get(fmt.name, {}).get("prefill_variants") or ())
 
 
 def run_gemv_tails(be, fmt, say) -> None:

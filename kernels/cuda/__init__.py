@@ -272,6 +272,9 @@ class CudaBackend(Backend):
         self.rope_blocks_per_sm = 8
         # prefill kernel per format, for launchers that ship more than one (PREFILL_VARIANTS)
         self.prefill_variant = dict(DEFAULT_PREFILL)
+        # the wgmma prefill kernel spread over this many blocks where one block a tile would waste most of a
+        # wave (kernels/cuda/linear.py wgmma_spread_blocks; the same bits); 0: always one block a tile
+        self.wgmma_spread_blocks = self.sms
         # GEMV variant per format and op (bench and the variant tests set entries; each launcher's
         # DEFAULT_CONFIG to start)
         self.gemv_config = {name: dict(lin.default_config) for name, lin in self.linears.items()}
@@ -308,11 +311,11 @@ class CudaBackend(Backend):
         cp.get_default_memory_pool().free_all_blocks()
         cp.get_default_pinned_memory_pool().free_all_blocks()
 
-    def scratch(self, key: str, shape, dtype) -> cp.ndarray:
+    def scratch(self, key: str, shape, dtype, zeroed: bool = False) -> cp.ndarray:
         """A reusable buffer of at least `shape`; never freed while the backend lives (graph safety).
         The view of a (key, shape, dtype) asked for before is handed out again while its buffer is the
         key's (slicing, viewing and reshaping cost three CuPy calls: decode attention asks three times a
-        layer)."""
+        layer). `zeroed`: a new buffer starts as zeros (then it holds what its users left in it)."""
         shape = tuple(shape)
         buf = self._scratch.get(key)
         seen = self._scratch_views.get((key, shape, dtype))
@@ -322,7 +325,7 @@ class CudaBackend(Backend):
         if buf is None or buf.nbytes < n:
             if buf is not None:
                 self._retired.append(buf)
-            buf = cp.empty(max(n, 256), dtype=np.uint8)
+            buf = (cp.zeros if zeroed else cp.empty)(max(n, 256), dtype=np.uint8)
             self._scratch[key] = buf
         view = buf[:n].view(dtype).reshape(shape)
         if len(self._scratch_views) >= 256:  # prefill shapes vary with the prompt's length

@@ -463,8 +463,10 @@ int4_mma_pipe64_f32(const f16_bits* x, const u32* qweight, const f16_bits* scale
 }
 
 // ---- prefill on wgmma (sm_90a): int4_wgmma_f32 (int4_wgmma.cuh) ----------------------------------------
-// The same arguments and sums; 384 threads, WG_SMEM bytes of dynamic shared memory, grid (ceil(T / 128), ceil(N / 128)).
+// The same arguments and sums, then the spread launch's carry and flags (null: one block a tile); 384 threads,
+// WG_SMEM bytes of dynamic shared memory, the grid as int4_wgmma.cuh says.
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)
-int4_wgmma_f32(const f16_bits* x, const u32* qweight, const f16_bits* scales, float* y, int T, int N, int K) {
-    int4_wgmma(x, qweight, SymGroups{scales, K / 128}, y, T, N, K);
+int4_wgmma_f32(const f16_bits* x, const u32* qweight, const f16_bits* scales, float* y, int T, int N, int K,
+               float* carry, unsigned* flags) {
+    int4_wgmma(x, qweight, SymGroups{scales, K / 128}, y, T, N, K, carry, flags);
 }

@@ -61,7 +61,7 @@ class Int4SymG128Linear(GemvLinear):
         if variant == "auto":
             variant = "wgmma" if T >= WGMMA_FROM_TOKENS else "mma"
         if variant == "wgmma":
-            launch_wgmma(WGMMA_KERNEL, x, self.weight_args(w), y, T, N, K)
+            launch_wgmma(backend, WGMMA_KERNEL, x, self.weight_args(w), y, T, N, K)
             return y
         kernel, bm, bn = PREFILL_KERNELS[variant]
         loader.kernels()[kernel]((-(-N // bn), -(-T // bm)), (256,), (x, w["qweight"], w["scales"], y, i32(T), i32(N), i32(K)))

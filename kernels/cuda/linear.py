@@ -46,19 +46,49 @@ def blocks(n: int, block: int = _EW_BLOCK, cap: int = 65535) -> int:
 # 128 tiles, WG_SMEM bytes of dynamic shared memory (above the 48 KB a launch gets without asking)
 _WG = catalog.defines("int4_wgmma.cuh")
 WG_THREADS, WG_BM, WG_BN, WG_SMEM = _WG["WG_THREADS"], _WG["WG_BM"], _WG["WG_BN"], _WG["WG_SMEM"]
+WG_GROUP_N = _WG["WG_GROUP_N"]
+WG_CARRY_FLOATS = 64 * 256  # a spread block's carry slot: each consumer thread's 64 fp32 totals
+WG_SPREAD_GAIN = 1.05  # spread a launch when one block a tile runs at least this many times its work's waves
 _WG_READY: set = set()  # (kernel, device) whose dynamic shared-memory limit was raised to WG_SMEM
 
 
-def launch_wgmma(kernel_name: str, x, weight_args: tuple, y, T: int, N: int, K: int) -> None:
-    """One of int4_wgmma.cuh's entry points: y fp32 [T, N] = x W^T. Grid (token tiles, weight-row tiles):
-    the token tiles of a weight tile run side by side (the kernel's header says why)."""
+def wgmma_spread_blocks(T: int, N: int, blocks: int) -> int:
+    """Blocks for the wgmma kernel's spread launch over the T x N tiles (int4_wgmma.cuh), or 0 for one
+    block a tile. `blocks` is the backend's `wgmma_spread_blocks` (its SM count; 0: never spread).
+
+    Spread only where it pays and stays right:
+    - more tiles than blocks: each block's share (at least one tile's groups) then cuts a tile between two
+      blocks at most, and every block is resident at once (one an SM), as the carry's wait needs;
+    - one block a tile would lose at least 5% to its last wave (WG_SPREAD_GAIN): the 7B qkv_proj at 512
+      tokens is 144 tiles, two waves on 132 SMs for 1.09 waves' work; gate_up's 1,184 are 8.97 waves in 9;
+    - at most WG_GROUP_N token tiles (2,048 tokens): the spread takes tiles in the grid's order, whose waves
+      reread x, which L2 holds up to there (past it, the grouped launch order)."""
+    mt, nt = -(-T // WG_BM), -(-N // WG_BN)
+    tiles = mt * nt
+    if blocks <= 0 or tiles <= blocks or mt > WG_GROUP_N:
+        return 0
+    if -(-tiles // blocks) * blocks < WG_SPREAD_GAIN * tiles:
+        return 0
+    return blocks
+
+
+def launch_wgmma(backend, kernel_name: str, x, weight_args: tuple, y, T: int, N: int, K: int) -> None:
+    """One of int4_wgmma.cuh's entry points: y fp32 [T, N] = x W^T. One block a tile, grid (token tiles,
+    weight-row tiles): the token tiles of a weight tile run side by side (the kernel's header says why);
+    or spread over `wgmma_spread_blocks` blocks (above), with a carry slot and a flag a block."""
     kernel = loader.kernels()[kernel_name]
     key = (kernel_name, cp.cuda.Device().id)
     if key not in _WG_READY:  # a function attribute, per device
         kernel.kernel.max_dynamic_shared_size_bytes = WG_SMEM
         _WG_READY.add(key)
-    kernel((-(-T // WG_BM), -(-N // WG_BN)), (WG_THREADS,), (x, *weight_args, y, i32(T), i32(N), i32(K)),
-           shared_mem=WG_SMEM)
+    P = wgmma_spread_blocks(T, N, getattr(backend, "wgmma_spread_blocks", 0))
+    if P:
+        carry = backend.scratch("wgmma_carry", (P, WG_CARRY_FLOATS), np.float32)
+        flags = backend.scratch("wgmma_flags", (P,), np.uint32, zeroed=True)  # each launch leaves them 0
+        grid, links = (P,), (carry, flags)
+    else:
+        grid, links = (-(-T // WG_BM), -(-N // WG_BN)), (np.uint64(0), np.uint64(0))
+    kernel(grid, (WG_THREADS,), (x, *weight_args, y, i32(T), i32(N), i32(K), *links), shared_mem=WG_SMEM)
 
 
 class GemvLinear:
@@ -208,7 +238,7 @@ class PipeLinear(DequantLinear):
             variant = self.auto_from if T >= self.pipe_from_tokens else "pipe64"
         y = backend.scratch("prefill_y", (T, N), np.float32)
         if variant == "wgmma":
-            launch_wgmma(self.wgmma_kernel, x, self.weight_args(w), y, T, N, K)
+            launch_wgmma(backend, self.wgmma_kernel, x, self.weight_args(w), y, T, N, K)
             return y
         suffix, bm = self.PIPE_KERNELS[variant]
         loader.kernels()[self.name + suffix]((-(-N // self.PIPE_BN), -(-T // bm)), (256,),

@@ -49,6 +49,7 @@ from kernels import FUSED_OPS
 from ladder.plugin import selected_formats
 from ladder.changes.sources import cuda_module
 from ladder.checks.edges import gemv_edges
+from ladder.checks.harness import quantized
 from ladder.checks.ops import check_attention, check_linear, check_rmsnorm, check_rope_kv_write, quantized_and_read
 
 # kernels/cuda/catalog.py's launchers (format -> variants, default config), read by file path: the package
@@ -213,6 +214,72 @@ def test_the_wgmma_prefill_covers_every_tile_of_its_grouped_launch_order(backend
         for rows in ((group + 1) * bn, (group + 1) * bn + 1):
             check_linear(backend, quant_format, "o_proj_residual", group * bm + 1, 256, rows, seed=rows,
                          case=f",wgmma,{group + 1} x {-(-rows // bn)} tiles")
+
+
+# The wgmma kernel spread over fewer blocks than tiles (int4_wgmma.cuh, kernels/cuda/linear.py
+# wgmma_spread_blocks): (token tiles' T, rows, groups, blocks), each where the launcher spreads. 4 tiles of 3
+# groups on 3 blocks: a head and a tail of one group, a block with no whole tile; 5 tiles of one group: no
+# tile cut; 7 tiles of 2 WG_STAGES + 1 groups on 5 blocks: the ring wraps inside and across segments; 3 x 3
+# partial tiles (T and rows one past whole tiles) of 5 groups on 4 blocks.
+SPREAD_CASES = ((128, 512, 3, 3), (128, 640, 1, 3), (128, 896, 2 * WGMMA["WG_STAGES"] + 1, 5), (257, 321, 5, 4))
+
+
+def _spread_or_tiled(backend, qw, x, T, rows, blocks):
+    """down_residual's fp32 sum from a zero residual (0 + y: the GEMM's bits) with the wgmma kernel spread
+    over `blocks` (0: one block a tile)."""
+    out = backend.asarray(np.zeros((T, rows), np.float32))
+    with _backend_setting(backend, wgmma_spread_blocks=blocks):
+        backend.down_residual(x, qw, out)
+    return backend.to_numpy(out).view(np.uint32)
+
+
+@pytest.mark.parametrize("T, rows, groups, blocks", SPREAD_CASES)
+def test_the_wgmma_prefill_spread_over_fewer_blocks_gives_the_bits_of_one_block_a_tile(backend, quant_format, T, rows,
+                                                                                       groups, blocks):
+    """The spread launch: each block takes an equal share of the tiles' groups, so a tile may be cut between
+    two blocks, the second continuing from the first one's fp32 totals (left in a carry slot, a flag set
+    once they are there). Against the reference, and bit for bit against one block a tile, called twice
+    (each launch must leave the flags as it found them: a second call reading a stale flag would not wait
+    for its carry)."""
+    if "wgmma" not in _prefill_kernels(backend, quant_format):
+        pytest.skip(f"{quant_format.name} has no wgmma prefill kernel on this backend")
+    from kernels.cuda.linear import wgmma_spread_blocks
+
+    assert wgmma_spread_blocks(T, rows, blocks) == blocks, f"the launcher would not spread {T} x {rows} on {blocks}"
+    rng = rng_for(T * rows + groups)
+    qw, _ = quantized_and_read(backend, quant_format, quantizable_weight(rng, rows, 128 * groups))
+    with _prefill_kernel(backend, quant_format, "wgmma"):
+        with _backend_setting(backend, wgmma_spread_blocks=blocks):
+            check_linear(backend, quant_format, "o_proj_residual", T, 128 * groups, rows, seed=T + rows + groups,
+                         case=f",wgmma spread on {blocks} blocks")
+        for call in (1, 2):
+            x = backend.asarray(rng.standard_normal((T, 128 * groups)).astype(np.float16))
+            spread, tiled = (_spread_or_tiled(backend, qw, x, T, rows, b) for b in (blocks, 0))
+            assert np.array_equal(spread, tiled), (
+                f"{quant_format.name}: spread on {blocks} blocks differs from one block a tile "
+                f"(T={T}, rows={rows}, {groups} groups, call {call}) at {np.argwhere(spread != tiled)[:4].tolist()}")
+
+
+def test_the_wgmma_prefill_spread_at_the_7b_qkv_shape_gives_the_bits_of_one_block_a_tile(backend, quant_format):
+    """qkv_proj's GEMM at the 7B shape and 512 tokens, the case the spread launch is for (144 tiles: on an
+    H200's 132 SMs, one block a tile runs a second wave of 12), spread over the backend's own block count,
+    bit for bit against one block a tile."""
+    if "wgmma" not in _prefill_kernels(backend, quant_format):
+        pytest.skip(f"{quant_format.name} has no wgmma prefill kernel on this backend")
+    from kernels.cuda.linear import wgmma_spread_blocks
+
+    T, rows, in_f = 512, 4608, 3584
+    blocks = backend.wgmma_spread_blocks
+    if not wgmma_spread_blocks(T, rows, blocks):
+        pytest.skip(f"{blocks} blocks do not spread 512 x 4608 (one block a tile is as good on this device)")
+    rng = rng_for(4608)
+    qw, _ = quantized(backend, quant_format, quantizable_weight(rng, rows, in_f, scale=0.05))
+    x = backend.asarray(rng.standard_normal((T, in_f)).astype(np.float16))
+    with _prefill_kernel(backend, quant_format, "wgmma"):
+        spread, tiled = (_spread_or_tiled(backend, qw, x, T, rows, b) for b in (blocks, 0))
+    assert np.array_equal(spread, tiled), (
+        f"{quant_format.name}: the 7B qkv GEMM spread on {blocks} blocks differs from one block a tile "
+        f"at {np.argwhere(spread != tiled)[:4].tolist()}")
 
 
 _FULL_SIZE: dict = {}  # (backend, format, op) -> (backend weight, reference weight): the last one made
