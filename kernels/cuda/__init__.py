@@ -85,6 +85,11 @@ def _blocks(n: int, block: int = _EW_BLOCK, cap: int = 65535) -> int:
     return max(1, min(cap, -(-n // block)))
 
 
+def _rows_grid(T: int, rows: int) -> tuple[int, int]:
+    """epilogues.cu's row-wise grid: x over rows in 4-row steps, y over tokens (each capped; both loop)."""
+    return _blocks(-(-rows // 4)), min(T, 65535)
+
+
 def _need(a, dtype, name: str):
     if not isinstance(a, cp.ndarray):
         raise TypeError(f"{name}: expected a CuPy array on the cuda backend, got {type(a).__name__}")
@@ -354,7 +359,7 @@ class CudaBackend(Backend):
             lin.gemv(self, "qkv_proj", x, w, rows, bias, out)
         else:
             y = lin.matmul_f32(self, x, w)
-            self._k["epi_bias_f16"]((_blocks(T * rows),), (_EW_BLOCK,), (y, bias, out, _i32(T), _i32(rows)))
+            self._k["epi_bias_f16"](_rows_grid(T, rows), (_EW_BLOCK,), (y, bias, out, _i32(T), _i32(rows)))
 
     def _linear_residual(self, op, x, w, residual):
         _need(x, np.float16, "x"), _need(residual, np.float32, "residual")
@@ -407,7 +412,7 @@ class CudaBackend(Backend):
             lin.gemv(self, "gate_up_silu", x, w, inter, out)
         else:
             y = lin.matmul_f32(self, x, w)
-            self._k["epi_silu_mul_f16"]((_blocks(T * inter),), (_EW_BLOCK,), (y, out, _i32(T), _i32(inter)))
+            self._k["epi_silu_mul_f16"](_rows_grid(T, inter), (_EW_BLOCK,), (y, out, _i32(T), _i32(inter)))
 
     # --- the other ops ------------------------------------------------------------------------
 
