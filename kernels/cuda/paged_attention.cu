@@ -390,7 +390,8 @@ paged_attention_warp_d128(const f16_bits* q, const f16_bits* k_pages, const f16_
 //     (the precision contract's fp32 probabilities) rather than fp16's 11. S's C fragment is P's A
 //     fragment register for register (mma.cuh's layouts), so P never leaves registers.
 // Rows past the tile (group does not divide 64, or the last tile's tokens past T) compute with the
-// tile's first token's position and are never stored. Grid (nkv, ceil(T / qt)), 128 threads.
+// tile's first token's position and are never stored. Grid (nkv, ceil(T / qt)), 128 threads; block y takes
+// the tile of tokens from (gridDim.y - 1 - y) qt (below).
 #define TC_ROWS 64
 
 template <int D>
@@ -407,7 +408,10 @@ __device__ __forceinline__ void attention_prefill_tc(const f16_bits* __restrict_
     __shared__ __align__(16) f16_bits Vs[2][PAGE][KP];
     __shared__ int tile_keys;
 
-    const int kvh = blockIdx.x, t0 = blockIdx.y * qt, group = nq / nkv;
+    // Tiles in reverse token order: a causal tile's work grows with its tokens' positions, and blocks start
+    // in launch order, so the longest tiles go first and the short ones fill the SMs they leave (the grid's
+    // own order ran the longest last, a tail of a few blocks on an otherwise idle GPU at 8192 tokens).
+    const int kvh = blockIdx.x, t0 = (gridDim.y - 1 - blockIdx.y) * qt, group = nq / nkv;
     const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP;
     const int rows_used = qt * group;
 
