@@ -4,8 +4,8 @@
 
 Same shape, random weights (torch's seeded init), the same protocol where it applies:
 - `hf`: Hugging Face transformers Qwen2ForCausalLM in bf16, eager, SDPA attention, dynamic KV cache;
-  a 512-token prompt (TTFT: forward + first token on the host), then greedy steps timed on the host
-  with a synchronize each (the way a user runs it).
+  a 512-token prompt (TTFT: the forward, its argmax on the GPU and the token id read back), then greedy
+  steps timed on the host with a synchronize each (the way a user runs it).
 - `hf-compile`: the same model with a static KV cache and torch.compile (mode reduce-overhead), through
   `generate`; decode ms/token = (time for N new tokens - time for 1) / (N - 1). Compilation is warm-up.
 - `int4mm`: one decode step built from PyTorch's own INT4 matmul (`torch.ops.aten._weight_int4pack_mm`,
@@ -56,6 +56,15 @@ def _hf_model(c):
     return model.eval()
 
 
+def _first_token(model, ids):
+    """The prompt's forward and its first greedy token, read back as an int (as nanoqwen's TTFT: generate's
+    prefill and first token id)."""
+    out = model(ids, use_cache=True, logits_to_keep=1)
+    tok = out.logits[:, -1].argmax(-1, keepdim=True)
+    int(tok.item())
+    return out, tok
+
+
 def hf_eager(args):
     import torch
 
@@ -65,9 +74,7 @@ def hf_eager(args):
     ttft, steps = [], []
     with torch.inference_mode():
         for rep in range(2):
-            ms, out = _sync_ms(lambda: model(ids, use_cache=True, logits_to_keep=1))
-            tok = out.logits[:, -1].argmax(-1, keepdim=True)
-            int(tok.item())
+            ms, (out, tok) = _sync_ms(lambda: _first_token(model, ids))
             ttft.append(ms)
             past = out.past_key_values
             if rep == 1:
