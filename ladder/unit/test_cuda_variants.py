@@ -13,7 +13,8 @@
   nothing to pick) skips them with that reason.
 - The prefill path (T above `gemv_max_tokens`) at its tile edges: T and rows on, below and past the
   64 x 128 tensor-core tile; the wgmma kernel also at its ring's depth (WG_STAGES groups, twice that),
-  its consumer warpgroups' 64 rows, and weight tiles past a group of its launch order.
+  its consumer warpgroups' 64 rows, weight tiles past a group of its launch order, and spread over fewer
+  blocks than tiles (tiles cut between two blocks; bit for bit one block a tile, and at the 7B qkv shape).
 - The Qwen2.5-Coder-7B shapes of the four ops (decode and a 64-token prefill); every prefill attention
   kernel (tensor cores, warp, block) at its tile and page edges; every decode attention kernel (the
   tensor-core one, the warp-per-page one and paged_attention_f16) with fixed and dynamic split sizes (one
