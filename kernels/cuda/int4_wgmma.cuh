@@ -51,7 +51,7 @@
 #define WG_SMEM 172096
 #define WG_TO_CARRY 1    // a segment that leaves its totals to the next block (the spread launch's cut tile)
 #define WG_FROM_CARRY 2  // a segment that starts from the block before's totals
-#define WG_CARRY_SPINS (1 << 26)  // polls of a carry's flag (128 ns apart: about 9 s) before the block traps
+#define WG_CARRY_SPINS (1 << 26)  // polls of a carry's flag (an L2 round trip each: about a minute), then a trap
 static_assert(WG_XBYTES == WG_BM * 128 * 2 && WG_WBYTES == WG_BN * WG_WPAD * 4, "a stage: x tile, weight rows");
 static_assert(WG_XBYTES % 1024 == 0, "x tiles on 1024-byte bounds (smem __align__(1024)): the atoms' base offset 0");
 static_assert(WG_SMEM == WG_STAGES * (WG_XBYTES + WG_WBYTES) + 2 * WG_STAGES * 8, "the stages, then full[], empty[]");
@@ -224,7 +224,8 @@ __device__ __forceinline__ void int4_wgmma(const f16_bits* __restrict__ x, const
         }
         for (int g = sg.g0; g < sg.g1; ++g, ++k) {
             const int s = k % WG_STAGES;
-            const float s0 = h2f(gs.scale(row0, g)), s1 = h2f(gs.scale(row1, g));  // in flight while the group multiplies
+            // the group's scales: in flight while the group multiplies
+            const float s0 = h2f(gs.scale(row0, g)), s1 = h2f(gs.scale(row1, g));
             u32 z0 = SYM_ZERO_PAIR, z1 = SYM_ZERO_PAIR;  // int4_pair's fixed zero point 8, or the rows' own
             if constexpr (Groups::ZERO_PER_GROUP) {
                 z0 = gs.zero(row0, g);
@@ -250,7 +251,8 @@ __device__ __forceinline__ void int4_wgmma(const f16_bits* __restrict__ x, const
             const unsigned char* xs = xs0 + s * WG_XBYTES;
 #pragma unroll
             for (int ks = 0; ks < 8; ++ks)  // k-step ks: inputs 16 ks .. 16 ks + 15, 32 B into atom ks / 4
-                wgmma_m64n128k16_rs(acc, a[ks], wgmma_desc_sw128(xs + (ks / 4) * 16384 + (ks % 4) * 32), ks == 0 ? 0 : 1);
+                wgmma_m64n128k16_rs(acc, a[ks], wgmma_desc_sw128(xs + (ks / 4) * 16384 + (ks % 4) * 32),
+                                    ks == 0 ? 0 : 1);
             wgmma_commit();
             wgmma_wait_all();
 #pragma unroll
