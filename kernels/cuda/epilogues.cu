@@ -5,10 +5,11 @@
 //
 // Grid-stride loops over the T x rows outputs (any grid covers any size, each element has one writer):
 // epi_bias_f16 and epi_silu_mul_f16 take tokens on the grid's y and rows on its x, so no element pays a
-// division (a flat loop's 64-bit i / rows and i % rows cost more than silu's math: the 7B gate_up epilogue
-// at 512 tokens took 54 us a layer for 97 MB, 1.8 TB/s; 23 us now), and where rows % 4 == 0 and the arrays start 16-byte (y) and 8-byte
-// (bias, out) aligned, a thread takes 4 consecutive rows in 16-byte loads and one 8-byte store (every row then
-// starts as aligned as its array). The launcher sizes x for the 4-row steps; the other path loops.
+// division (a flat loop's 64-bit i / rows and i % rows cost more than silu's math: the 7B gate_up
+// epilogue at 512 tokens took 54 us a layer for 97 MB, 1.8 TB/s; 23 us now), and where rows % 4 == 0
+// and the arrays start 16-byte (y) and 8-byte (bias, out) aligned, a thread takes 4 consecutive rows in
+// 16-byte loads and one 8-byte store (every row then starts as aligned as its array). The launcher sizes
+// x for the 4-row steps; the other path loops.
 #include "common.cuh"
 
 __device__ __forceinline__ bool aligned(const void* p, unsigned bytes) {
