@@ -463,10 +463,15 @@ int4_mma_pipe64_f32(const f16_bits* x, const u32* qweight, const f16_bits* scale
 }
 
 // ---- prefill on wgmma (sm_90a): int4_wgmma_f32 (int4_wgmma.cuh) ----------------------------------------
-// The same arguments and sums, then the spread launch's carry and flags (null: one block a tile); 384 threads,
+// The same arguments and sums, x as its tensor map (fp16 [T, K], 64 x 128 boxes, 128-byte swizzle: kernels/cuda/
+// linear.py launch_wgmma), then the spread launch's carry and flags (null: one block a tile); 384 threads,
 // WG_SMEM bytes of dynamic shared memory, the grid as int4_wgmma.cuh says.
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)
-int4_wgmma_f32(const f16_bits* x, const u32* qweight, const f16_bits* scales, float* y, int T, int N, int K,
-               float* carry, unsigned* flags) {
-    int4_wgmma(x, qweight, SymGroups{scales, K / 128}, y, T, N, K, carry, flags);
+int4_wgmma_f32(const __grid_constant__ TmaMap xmap, const u32* qweight, const f16_bits* scales, float* y, int T,
+               int N, int K, float* carry, unsigned* flags) {
+    const SymGroups gs{scales, K / 128};
+    if (carry != nullptr)
+        int4_wgmma<true>(xmap, qweight, gs, y, T, N, K, carry, flags);
+    else
+        int4_wgmma<false>(xmap, qweight, gs, y, T, N, K, carry, flags);
 }

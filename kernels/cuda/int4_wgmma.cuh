@@ -7,7 +7,11 @@
 //   * a block is 384 threads, three warpgroups. Warpgroup 2 only copies; warpgroups 0 and 1 multiply, each
 //     its 64 weight rows by the block's 128 tokens with wgmma m64n128k16 (y^T = W x^T: the weights are the
 //     operand A, which wgmma takes from registers, unpacked there as the ring builds its B fragments; x,
-//     already fp16, is the operand B, read by wgmma from shared memory as cp.async left it);
+//     already fp16, is the operand B, read by wgmma from shared memory as TMA left it);
+//   * x comes by TMA (the copy engine, two boxes a stage from one thread, through the tensor map the
+//     launcher encodes), the weight words by cp.async (16 bytes a thread, into padded rows that TMA cannot
+//     lay out). With x by cp.async too, the producer's 2,048 16-byte copies a stage held the kernel back:
+//     the same kernel with x copied only once ran 1.25x faster (bench/NOTES.md, v5 twelfth step);
 //   * a stage is one 128-input group: x, 128 tokens x 128 inputs (32 KB) in wgmma's 128-byte swizzle,
 //     K-major (two atoms of 64 inputs, 16 KB each; token t's row of an atom is 128 B at t * 128, its 16-byte
 //     chunk j stored at chunk j ^ (t % 8)), and the 128 weight rows' 16 packed words (rows padded to
@@ -15,10 +19,11 @@
 //     WG_STAGES stages in dynamic shared memory;
 //   * mbarriers instead of block barriers. full[s] completes when the producer's 128 threads' copies into
 //     stage s have landed (cp.async.mbarrier.arrive.noinc: the arrival fires once the thread's earlier
-//     cp.async are done), empty[s] when all 256 consumer threads are done with it (their wgmma waited for,
-//     their weight words read). The two consumer warpgroups share no barrier, so one's unpacking, wait and
-//     fold run while the other's wgmma keep the tensor cores busy. The prototypes with a block barrier per
-//     step ran at the ring's speed; this one at 1.4-1.8x it (bench/NOTES.md, v5);
+//     cp.async are done) and x's 32 KB with them (thread 0's expect_tx arrival), empty[s] when all 256
+//     consumer threads are done with it (their wgmma waited for, their weight words read). The two
+//     consumer warpgroups share no barrier, so one's unpacking, wait and fold run while the other's wgmma
+//     keep the tensor cores busy. The prototypes with a block barrier per step ran at the ring's speed;
+//     this one at 1.4-1.8x it (bench/NOTES.md, v5);
 //   * why the swizzle: wgmma reads a 128-byte-swizzled operand faster than the no-swizzle layout of core
 //     matrices (8 rows x 16 B); CUTLASS's Hopper GEMMs stage theirs swizzled too. The kernel in the
 //     no-swizzle layout gave the same sums at 0.6x this one's speed at the 7B prefill shapes
@@ -28,15 +33,17 @@
 // Two launches (kernels/cuda/linear.py launch_wgmma picks):
 //   * one block a tile: grid (ceil(T / 128), ceil(N / 128)); past 2048 tokens each block's tile comes from a
 //     grouped launch order (below), so that both the weight bytes and x come from DRAM a few times at most;
-//   * spread (carry != nullptr): grid (P), P <= the tiles, every block resident at once (one an SM). A tile
-//     of 128 groups' work is `groups` units; block b takes units [b U / P, (b + 1) U / P) of the U in tile
-//     order, so every block gets the same work within one group (below: WgPlan). A tile count just past a
-//     multiple of the SMs (the 7B qkv_proj at 512 tokens: 144 tiles on 132 SMs) otherwise runs a second
-//     wave of 12 blocks while 120 SMs wait. A tile cut between blocks b - 1 and b keeps its sums exact: b - 1
-//     runs the tile's first groups before anything else and leaves its fp32 totals in carry, and b runs the
-//     rest last, continuing from those totals in the same group order: the bits of one block a tile.
-// Rows past T are zero-filled by cp.async (src-size 0) and never stored; weight rows past N are read from row
-// N - 1 and never stored. K % 128 == 0.
+//   * spread (carry != nullptr; its own instantiation, SPREAD, so that one block a tile runs the plain
+//     loop: with the plan's segments read at run time it ran 6% slower): grid (P), P <= the tiles, every
+//     block resident at once (one an SM). A tile of 128 groups' work is `groups` units; block b takes units
+//     [b U / P, (b + 1) U / P) of the U in tile order, so every block gets the same work within one group
+//     (below: WgPlan). A tile count just past a multiple of the SMs (the 7B qkv_proj at 512 tokens: 144
+//     tiles on 132 SMs) otherwise runs a second wave of 12 blocks while 120 SMs wait. A tile cut between
+//     blocks b - 1 and b keeps its sums exact: b - 1 runs the tile's first groups before anything else and
+//     leaves its fp32 totals in carry, and b runs the rest last, continuing from those totals in the same
+//     group order: the bits of one block a tile.
+// Rows past T are zero-filled by TMA (outside the map's [T, K]) and never stored; weight rows past N are read
+// from row N - 1 and never stored. K % 128 == 0.
 #pragma once
 #include "int4_pipe.cuh"
 
@@ -138,10 +145,10 @@ __device__ __noinline__ void wg_wait_flag(const unsigned* f) {
 // the 256 consumer threads alone (the producer warpgroup has left): named barrier 1
 __device__ __forceinline__ void wg_consumers_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
 
-template <class Groups>
-__device__ __forceinline__ void int4_wgmma(const f16_bits* __restrict__ x, const u32* __restrict__ qweight,
-                                           const Groups gs, float* __restrict__ y, int T, int N, int K,
-                                           float* __restrict__ carry, unsigned* flags) {
+template <bool SPREAD, class Groups>
+__device__ __forceinline__ void int4_wgmma(const TmaMap& xmap, const u32* __restrict__ qweight, const Groups gs,
+                                           float* __restrict__ y, int T, int N, int K, float* __restrict__ carry,
+                                           unsigned* flags) {
     extern __shared__ __align__(1024) unsigned char smem[];
     unsigned char* xs0 = smem;
     u32* ws0 = reinterpret_cast<u32*>(smem + WG_STAGES * WG_XBYTES);
@@ -149,10 +156,10 @@ __device__ __forceinline__ void int4_wgmma(const f16_bits* __restrict__ x, const
     unsigned long long* empty = full + WG_STAGES;
     const int tid = threadIdx.x, warp = tid / WARP, lane = tid % WARP;
     const int words_per_row = K / 8, groups = K / 128;
-    const WgPlan plan = wg_plan(T, N, groups, carry != nullptr);
+    const WgPlan plan = wg_plan(T, N, groups, SPREAD);
     if (tid == 0) {
         for (int s = 0; s < WG_STAGES; ++s) {
-            mbar_init(&full[s], 128);   // the producer's 128 threads, one arrival each when their copies land
+            mbar_init(&full[s], 129);   // the producer's 128 threads when their copies land, and x's expected bytes
             mbar_init(&empty[s], 256);  // the consumers' 256 threads, one each when done with the stage
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -162,23 +169,25 @@ __device__ __forceinline__ void int4_wgmma(const f16_bits* __restrict__ x, const
     if (warp >= 8) {  // ---- the producer warpgroup
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
         const int p = tid - 256;
-        // x: thread p copies the 16-byte input chunk col8 = p % 16 of tokens 8 i + t0, i = 0..15;
-        // weights: the 16-byte quarter wq of the group's 16 words of rows 32 i + p / 4, i = 0..3
-        const int col8 = p % 16, t0 = p / 16, wq = p % 4;
+        // x: thread 0 of the warpgroup asks the copy engine for the two atoms (TMA, below); weights: thread p
+        // copies the 16-byte quarter wq of the group's 16 words of rows 32 i + p / 4, i = 0..3
+        const int wq = p % 4;
+        if (p == 0) tma_prefetch_map(&xmap);
         int k = 0;  // the block's groups so far, over its segments: stage k % WG_STAGES, in round k / WG_STAGES
         for (int j = 0; j < plan.count; ++j) {
             const WgSegment sg = plan.segment(j);
             for (int g = sg.g0; g < sg.g1; ++g, ++k) {
                 const int s = k % WG_STAGES;
                 if (k >= WG_STAGES) mbar_wait(&empty[s], (k / WG_STAGES - 1) & 1);  // the consumers' last use of s
-                unsigned char* xs = xs0 + s * WG_XBYTES;
-#pragma unroll 4
-                for (int i = 0; i < 16; ++i) {  // (unrolled fully, the addresses outgrow the producer's 40 registers)
-                    const int t = 8 * i + t0;
-                    const bool in = sg.m0 + t < T;
-                    // atom col8 / 8, row t, chunk col8 % 8 swizzled by t % 8 (= t0)
-                    cp_async16(xs + (col8 / 8) * 16384 + t * 128 + ((col8 % 8) ^ t0) * 16,
-                               x + (size_t)(in ? sg.m0 + t : 0) * K + g * 128 + col8 * 8, in ? 16 : 0);
+                if (p == 0) {
+                    // x's tile, inputs g * 128 .. + 127 of tokens m0 .. m0 + 127, as two boxes of 64 inputs x 128
+                    // tokens, one an atom: the map's 128-byte swizzle is the atom's (token t's chunk j at chunk
+                    // j ^ (t % 8), 1024-byte aligned), and tokens past T land as zeros. The expected bytes are
+                    // set before the copies are issued, so the phase cannot complete without them.
+                    unsigned char* xs = xs0 + s * WG_XBYTES;
+                    mbar_arrive_expect_tx(&full[s], WG_XBYTES);
+                    tma_load_2d(xs, &xmap, g * 128, sg.m0, &full[s]);
+                    tma_load_2d(xs + WG_XBYTES / 2, &xmap, g * 128 + 64, sg.m0, &full[s]);
                 }
                 u32* ws = ws0 + s * (WG_WBYTES / 4);
 #pragma unroll
@@ -231,8 +240,9 @@ __device__ __forceinline__ void int4_wgmma(const f16_bits* __restrict__ x, const
                 z0 = gs.zero(row0, g);
                 z1 = gs.zero(row1, g);
             }
+            // x came by TMA (the async proxy, as wgmma reads it) and the weight words by cp.async, read here by
+            // plain loads: the barrier's phase alone makes both visible, no proxy fence
             mbar_wait(&full[s], (k / WG_STAGES) & 1);
-            fence_proxy_async();
             // A of k-step ks: a0 = (row rl, k 2c, 2c+1), a1 = (row rl + 8, ...), a2 / a3 the same at k + 8: pair c
             // of the rows' words 2 ks (inputs 16 ks .. 16 ks + 7) and 2 ks + 1
             const u32* ws = ws0 + s * (WG_WBYTES / 4);

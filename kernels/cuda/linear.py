@@ -73,9 +73,14 @@ def wgmma_spread_blocks(T: int, N: int, blocks: int) -> int:
 
 
 def launch_wgmma(backend, kernel_name: str, x, weight_args: tuple, y, T: int, N: int, K: int) -> None:
-    """One of int4_wgmma.cuh's entry points: y fp32 [T, N] = x W^T. One block a tile, grid (token tiles,
-    weight-row tiles): the token tiles of a weight tile run side by side (the kernel's header says why);
-    or spread over `wgmma_spread_blocks` blocks (above), with a carry slot and a flag a block."""
+    """One of int4_wgmma.cuh's entry points: y fp32 [T, N] = x W^T, x (fp16 [T, K], row-major) handed over
+    as its tensor map (TMA boxes of 128 tokens x 64 inputs, one swizzle atom each). One block a tile, grid
+    (token tiles, weight-row tiles): the token tiles of a weight tile run side by side (the kernel's header
+    says why); or spread over `wgmma_spread_blocks` blocks (above), with a carry slot and a flag a block."""
+    if not x.flags.c_contiguous or x.shape != (T, K):
+        raise ValueError(f"launch_wgmma: x must be a row-major fp16 [{T}, {K}], not {x.shape} (contiguous: "
+                         f"{x.flags.c_contiguous})")
+    xmap = loader.tensor_map_2d(x.data.ptr, T, K, WG_BM, 64)
     kernel = loader.kernels()[kernel_name]
     key = (kernel_name, cp.cuda.Device().id)
     if key not in _WG_READY:  # a function attribute, per device
@@ -88,7 +93,7 @@ def launch_wgmma(backend, kernel_name: str, x, weight_args: tuple, y, T: int, N:
         grid, links = (P,), (carry, flags)
     else:
         grid, links = (-(-T // WG_BM), -(-N // WG_BN)), (np.uint64(0), np.uint64(0))
-    kernel(grid, (WG_THREADS,), (x, *weight_args, y, i32(T), i32(N), i32(K), *links), shared_mem=WG_SMEM)
+    kernel(grid, (WG_THREADS,), (xmap, *weight_args, y, i32(T), i32(N), i32(K), *links), shared_mem=WG_SMEM)
 
 
 class GemvLinear:

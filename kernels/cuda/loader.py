@@ -18,6 +18,9 @@ it calls: `waits`) is launched through the driver's cuLaunchKernelEx with the pr
 serialization attribute, which the capture records as a programmatic edge: in a replay the kernel may
 start while the one before it ends. Any other launch goes through CuPy as usual (eagerly, the host's
 launch cost hides the overlap anyway, and CuPy's launch path is the faster one).
+
+Tensor maps (`tensor_map_2d`): the 128-byte CUtensorMap a TMA copy reads (mma.cuh's TmaMap), encoded by
+the driver's cuTensorMapEncodeTiled and passed to the kernel by value.
 """
 
 from __future__ import annotations
@@ -211,8 +214,55 @@ def _driver():
         lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
         lib.cuLaunchKernelEx.restype = ctypes.c_int
         lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        u32p, u64p = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
+        lib.cuTensorMapEncodeTiled.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p,
+                                               u64p, u32p, u32p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        lib.cuTensorMapEncodeTiled.restype = ctypes.c_int
         _DRIVER.append(lib)
     return _DRIVER[0]
+
+
+def _error_name(err: int) -> str:
+    name = ctypes.c_char_p()
+    _driver().cuGetErrorName(err, ctypes.byref(name))
+    return (name.value or b"?").decode()
+
+
+# ---- tensor maps (TMA) ------------------------------------------------------------------------------
+
+# cuda.h's enums: CU_TENSOR_MAP_DATA_TYPE_FLOAT16, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+# CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE (out-of-bounds elements read as zeros)
+_TMA_F16, _TMA_NO_INTERLEAVE, _TMA_SWIZZLE_128B, _TMA_L2_256B, _TMA_OOB_ZERO = 6, 0, 3, 3, 0
+_TMA_MAPS: dict = {}  # (address, rows, cols, box) -> the encoded map; an address is a scratch buffer, reused
+
+
+def tensor_map_2d(ptr: int, rows: int, cols: int, box_rows: int, box_cols: int):
+    """The tensor map of a row-major fp16 [rows, cols] array at device address `ptr`, read in boxes of
+    box_rows x box_cols with the 128-byte swizzle (box_cols * 2 = 128 bytes: one swizzle atom a box row),
+    as a one-element NumPy array of CUtensorMap's 128 bytes: CuPy passes it by value (a `const
+    __grid_constant__ TmaMap` parameter). Encoded once per (address, shape, box); the driver checks the
+    alignments (address and row pitch multiples of 16 bytes) and sizes, and a refusal is a RuntimeError
+    naming its error."""
+    import numpy as np
+
+    key = (int(ptr), int(rows), int(cols), int(box_rows), int(box_cols))
+    found = _TMA_MAPS.get(key)
+    if found is not None:
+        return found
+    raw = np.zeros(32, np.uint64)  # the driver writes the map at a 128-byte aligned address inside it
+    at = (-raw.ctypes.data % 128) // 8
+    u64s, u32s = ctypes.c_uint64 * 2, ctypes.c_uint32 * 2
+    err = _driver().cuTensorMapEncodeTiled(
+        raw.ctypes.data + 8 * at, _TMA_F16, 2, ctypes.c_void_p(key[0]), u64s(cols, rows), u64s(2 * cols, 0),
+        u32s(box_cols, box_rows), u32s(1, 1), _TMA_NO_INTERLEAVE, _TMA_SWIZZLE_128B, _TMA_L2_256B, _TMA_OOB_ZERO)
+    if err:
+        raise RuntimeError(f"cuTensorMapEncodeTiled of fp16 [{rows}, {cols}] in {box_rows} x {box_cols} boxes "
+                           f"failed: {_error_name(err)} ({err})")
+    found = raw[at:at + 16].copy().view(np.dtype({"names": ["opaque"], "formats": [(np.uint64, (16,))]}))
+    if len(_TMA_MAPS) >= 256:  # prefill shapes vary with the prompt's length
+        _TMA_MAPS.clear()
+    _TMA_MAPS[key] = found
+    return found
 
 
 def _dims(d) -> tuple[int, int, int]:
@@ -228,9 +278,10 @@ def _argument(a):
 
     if isinstance(a, cupy.ndarray):
         return ctypes.c_void_p(a.data.ptr)
-    if isinstance(a, np.generic):
-        return (ctypes.c_char * a.nbytes).from_buffer_copy(a.tobytes())
-    raise TypeError(f"kernel argument {a!r}: pass a CuPy array or a NumPy scalar (its width is the kernel's)")
+    if isinstance(a, np.generic) or (isinstance(a, np.ndarray) and a.dtype.names and a.size == 1):
+        return (ctypes.c_char * a.nbytes).from_buffer_copy(a.tobytes())  # a scalar, or a struct (tensor_map_2d)
+    raise TypeError(f"kernel argument {a!r}: pass a CuPy array, a NumPy scalar (its width is the kernel's) "
+                    f"or a one-element structured NumPy array")
 
 
 def _launch_programmatic(kernel, grid, block, args, shared_mem: int) -> None:
@@ -246,7 +297,4 @@ def _launch_programmatic(kernel, grid, block, args, shared_mem: int) -> None:
                         ctypes.pointer(attr), 1)
     err = _driver().cuLaunchKernelEx(ctypes.byref(cfg), fn.ptr, params, None)
     if err:
-        name = ctypes.c_char_p()
-        _driver().cuGetErrorName(err, ctypes.byref(name))
-        raise RuntimeError(f"cuLaunchKernelEx of {getattr(fn, 'name', kernel)!r} failed: "
-                           f"{(name.value or b'?').decode()} ({err})")
+        raise RuntimeError(f"cuLaunchKernelEx of {getattr(fn, 'name', kernel)!r} failed: {_error_name(err)} ({err})")

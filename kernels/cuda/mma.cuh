@@ -105,6 +105,25 @@ __device__ __forceinline__ unsigned long long wgmma_desc_sw128(const void* smem)
 // that has seen the writes (through an mbarrier) fences before its wgmma read them.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
+// TMA (cp.async.bulk.tensor): the copy engine moves a box of a tensor global -> shared, no thread's registers
+// or load slots on the way, laid out (and swizzled) as the tensor map says. TmaMap is CUtensorMap's 128 bytes,
+// encoded on the host (kernels/cuda/loader.py tensor_map_2d) and passed by value as a __grid_constant__
+// parameter, whose address the copy takes. The box's bytes count against the mbarrier's expected bytes
+// (mbar_arrive_expect_tx), out-of-bounds elements included (they land as zeros).
+struct alignas(128) TmaMap {
+    unsigned long long opaque[16];
+};
+__device__ __forceinline__ void tma_prefetch_map(const TmaMap* map) {
+    asm volatile("prefetch.tensormap [%0];" :: "l"(map) : "memory");
+}
+// the box at element coordinates (c0 innermost, c1) into smem; its bytes complete barrier b's expected ones
+// (a block's own shared memory is its cluster window's too: no cluster launch needed)
+__device__ __forceinline__ void tma_load_2d(void* smem, const TmaMap* map, int c0, int c1, unsigned long long* b) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3}], [%4];"
+                 :: "r"(smem_addr(smem)), "l"(map), "r"(c0), "r"(c1), "r"(smem_addr(b)) : "memory");
+}
+
 // mbarriers in shared memory (64-bit each). A phase completes when `count` arrivals have come; a waiter
 // names the phase by its parity (0 for the first, 1 for the second, ...).
 __device__ __forceinline__ void mbar_init(unsigned long long* b, unsigned count) {
@@ -116,6 +135,10 @@ __device__ __forceinline__ void mbar_arrive(unsigned long long* b) {
 // an arrival that lands when this thread's earlier cp.async have completed (noinc: counted in `count`)
 __device__ __forceinline__ void mbar_arrive_on_copies(unsigned long long* b) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(smem_addr(b)) : "memory");
+}
+// one arrival that also expects `bytes` more of asynchronous copies (TMA) before the phase can complete
+__device__ __forceinline__ void mbar_arrive_expect_tx(unsigned long long* b, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(smem_addr(b)), "r"(bytes) : "memory");
 }
 __device__ __forceinline__ void mbar_wait(unsigned long long* b, unsigned parity) {
     asm volatile(
