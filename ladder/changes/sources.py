@@ -73,11 +73,15 @@ def cuda_tokens(source: str) -> list[tuple[str, str, int]]:
     return out
 
 
+_ATTRIBUTES = ("alignas", "__align__", "__attribute__", "__declspec")  # `name(...)` that names no function
+
+
 def functions_of_tokens(toks) -> list[str]:
     """The function each token of `cuda_tokens` is in ("<file>" outside every body)."""
     # The candidate name of the next body: at file level and outside parentheses, the last name followed by
     # `(` (`__launch_bounds__(64) k(` names k; `float f(const u32 (&w)[4])` names f, not u32), or the name
-    # after `struct` / `class` / `union` (a struct's methods are its body); a `;` ends a declaration.
+    # after `struct` / `class` / `union` and any attribute (`struct alignas(128) Map {` names Map: a
+    # struct's methods are its body); a `;` ends a declaration.
     function_of, depth, parens, current, candidate = [], 0, 0, "<file>", None
     for i, (kind, text, _) in enumerate(toks):
         if depth == 0:
@@ -87,11 +91,15 @@ def functions_of_tokens(toks) -> list[str]:
                 parens -= 1
             elif text == ";":
                 candidate = None
-            elif kind == "name" and parens == 0 and i + 1 < len(toks):
+            elif kind == "name" and parens == 0 and i + 1 < len(toks) and text not in _ATTRIBUTES:
                 if toks[i + 1][1] == "(":
                     candidate = text
-                elif text in ("struct", "class", "union") and toks[i + 1][0] == "name":
-                    candidate = toks[i + 1][1]
+                elif text in ("struct", "class", "union"):
+                    j = i + 1
+                    while j + 1 < len(toks) and toks[j][1] in _ATTRIBUTES and toks[j + 1][1] == "(":
+                        j = _after_parens(toks, j + 1)
+                    if j < len(toks) and toks[j][0] == "name":
+                        candidate = toks[j][1]
         if text == "{":
             if depth == 0:
                 current = candidate or "<file>"
@@ -106,6 +114,17 @@ def functions_of_tokens(toks) -> list[str]:
             continue
         function_of.append(current if depth > 0 else "<file>")
     return function_of
+
+
+def _after_parens(toks, open_: int) -> int:
+    """The index after the `)` that closes the `(` at toks[open_]."""
+    depth = 0
+    for j in range(open_, len(toks)):
+        depth += toks[j][1] == "("
+        depth -= toks[j][1] == ")"
+        if depth == 0:
+            return j + 1
+    return len(toks)
 
 
 def token_index(toks, pos: int) -> int:
@@ -131,14 +150,16 @@ def cuda_functions_on_lines(source: str, lines: set[int]) -> set[str]:
 
 
 def cuda_calls(source: str) -> dict[str, set[str]]:
-    """Function name -> every name its body mentions (calls among them; a template argument or a variable
-    too, which only makes the reading wider). Overloads and template instances share their name."""
+    """Function name -> every name its signature and body mention (calls among them; a template argument, a
+    parameter's type or a variable too, which only makes the reading wider: a struct passed by value is
+    reached by the kernel that takes it). Overloads and template instances share their name."""
     toks = cuda_tokens(source)
     calls: dict[str, set[str]] = {}
-    statement: list[str] = []  # the names of the file-level statement so far
+    statement: list[str] = []  # the names of the file-level statement so far (a body's: its signature)
     for (kind, text, _), fn in zip(toks, functions_of_tokens(toks)):
         if fn != "<file>":
             body = calls.setdefault(fn, set())
+            body.update(statement)
             if kind == "name":
                 body.add(text)
             statement = []

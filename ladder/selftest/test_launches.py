@@ -166,6 +166,8 @@ typedef Decoder<Halves> HalfDecoder;
 template <class D> __device__ float body(float v) { return D::decode(v); }
 extern "C" __global__ void __launch_bounds__(64) a_decode(float* y) { y[0] = body<HalfDecoder>(y[0]); }
 extern "C" __global__ void a_dot(float* y) { float w[4] = {1, 2, 3, 4}; y[0] = dot(w, y[0]); }
+struct alignas(16) Quad { float v[4]; };
+extern "C" __global__ void a_quad(const __grid_constant__ Quad q, float* y) { y[0] = q.v[3]; }
 ''',
     "b.cu": '''#include "common.cuh"
 extern "C" __global__ void b_twice(float* y) { y[0] = TWICE(y[0]); }
@@ -183,9 +185,11 @@ def test_a_cuda_function_maps_to_every_entry_point_that_reaches_it(tmp_path):
     assert reach("a.cu", "Halves") == {"a_decode"} and reach("a.cu", "Decoder") == {"a_decode"}
     # a parameter `const float (&w)[4]` does not rename the function
     assert reach("common.cuh", "dot") == {"a_dot"}
+    # nor does an attribute between `struct` and the struct's name
+    assert reach("a.cu", "Quad") == {"a_quad"} and reach("a.cu", "alignas") == set()
     # a function a macro names widens to the whole module that uses the macro (and holds the header)
-    assert reach("common.cuh", "twice") == {"a_decode", "a_dot", "b_twice", "b_plain"}
-    assert reach("common.cuh", "<file>") == {"a_decode", "a_dot", "b_twice", "b_plain"}
+    assert reach("common.cuh", "twice") == {"a_decode", "a_dot", "a_quad", "b_twice", "b_plain"}
+    assert reach("common.cuh", "<file>") == {"a_decode", "a_dot", "a_quad", "b_twice", "b_plain"}
     assert reach("b.cu", "b_plain") == {"b_plain"}
 
 
