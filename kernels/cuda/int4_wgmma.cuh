@@ -11,7 +11,7 @@
 //   * x comes by TMA (the copy engine, two boxes a stage from one thread, through the tensor map the
 //     launcher encodes), the weight words by cp.async (16 bytes a thread, into padded rows that TMA cannot
 //     lay out). With x by cp.async too, the producer's 2,048 16-byte copies a stage held the kernel back:
-//     the same kernel with x copied only once ran 1.25x faster (bench/NOTES.md, v5 twelfth step);
+//     the same kernel with x copied only once ran 1.23-1.30x faster (bench/NOTES.md, v5 twelfth step);
 //   * a stage is one 128-input group: x, 128 tokens x 128 inputs (32 KB) in wgmma's 128-byte swizzle,
 //     K-major (two atoms of 64 inputs, 16 KB each; token t's row of an atom is 128 B at t * 128, its 16-byte
 //     chunk j stored at chunk j ^ (t % 8)), and the 128 weight rows' 16 packed words (rows padded to
@@ -34,7 +34,7 @@
 //   * one block a tile: grid (ceil(T / 128), ceil(N / 128)); past 2048 tokens each block's tile comes from a
 //     grouped launch order (below), so that both the weight bytes and x come from DRAM a few times at most;
 //   * spread (carry != nullptr; its own instantiation, SPREAD, so that one block a tile runs the plain
-//     loop: with the plan's segments read at run time it ran 6% slower): grid (P), P <= the tiles, every
+//     loop: with the plan's segments read at run time it ran 3-7% slower): grid (P), P <= the tiles, every
 //     block resident at once (one an SM). A tile of 128 groups' work is `groups` units; block b takes units
 //     [b U / P, (b + 1) U / P) of the U in tile order, so every block gets the same work within one group
 //     (below: WgPlan). A tile count just past a multiple of the SMs (the 7B qkv_proj at 512 tokens: 144
