@@ -226,13 +226,24 @@ def run_protocol(model, prompt, new_tokens):
 
 def _as_type_of(old, value: str, name: str):
     """A --before-set value as the type of the knob's current one where that is a number or a switch
-    (att_blocks=528 is the int 528, rmsnorm_held=off the bool False); strings and the knobs that read
-    strings themselves (pdl) take the text as given."""
+    (att_blocks=528 is the int 528, rmsnorm_held=off the bool False); a knob that is None now is an
+    optional count (pages_per_split: None, the dynamic split), so `none` or an integer; strings and the
+    knobs that read strings themselves (pdl) take the text as given."""
     if isinstance(old, bool):
         try:
             return switch_value(value, name)
         except ValueError:
             raise SystemExit(f"nanoqwen bench: --before-set {name}={value!r}: expected on or off") from None
+    if old is None:
+        if value.strip().lower() == "none":
+            return None
+        try:
+            count = int(value)
+        except ValueError:
+            count = -1
+        if count < 0:
+            raise SystemExit(f"nanoqwen bench: --before-set {name}={value!r}: expected an integer >= 0 or none")
+        return count
     if not isinstance(old, (int, float)):
         return value
     try:
