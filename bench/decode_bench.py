@@ -69,7 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="skip the decode step and TTFT timed with the shipped defaults before the sweeps picked")
     p.add_argument("--before-set", default="", metavar="KNOB=VALUE,...",
                    help="backend settings for the 'before' run, e.g. attention_variant=block,"
-                        "attention_prefill_variant=block,prefill_variant.int4_sym_g128=mma (the previous kernels)")
+                        "attention_prefill_variant=block,prefill_variant.int4_sym_g128=mma (the previous kernels); "
+                        "a nested table's entry by both keys: gemv_config.int4_sym_g128.down_residual=t128_r4")
     p.add_argument("--no-reference", action="store_true", help="skip the float32 PyTorch check (not recommended)")
 
 
@@ -255,19 +256,32 @@ def _as_type_of(old, value: str, name: str):
 @contextlib.contextmanager
 def backend_settings(be, spec: str):
     """Set backend knobs from "name=value,name.key=value" for the block (restored after); yields them.
-    A name the backend lacks, or a value its knob refuses later, is an error naming it."""
+    A table knob takes one entry by its keys, as deep as the table goes (prefill_variant.int4_sym_g128=mma,
+    gemv_config.int4_sym_g128.down_residual=tc_w8_u4). A name the backend lacks, a key its table lacks
+    (a typo would change nothing), a table named without its entry, or a value its knob refuses later, is
+    an error naming it."""
     saved, settings = [], {}
     try:
         for item in filter(None, (x.strip() for x in spec.split(","))):
             name, sep, value = item.partition("=")
             if not sep:
                 raise SystemExit(f"nanoqwen bench: --before-set item {item!r} is not NAME=VALUE")
-            attr, _, key = name.partition(".")
+            attr, *keys = name.split(".")
             if not hasattr(be, attr):
                 raise SystemExit(f"nanoqwen bench: the backend has no setting {attr!r}")
-            if key:
+            if keys:
                 table = getattr(be, attr)
-                saved.append((table, key, table.get(key)))
+                for depth, key in enumerate(keys):
+                    if not isinstance(table, dict) or key not in table:
+                        known = ", ".join(sorted(table)) if isinstance(table, dict) else "none: not a table"
+                        raise SystemExit(f"nanoqwen bench: --before-set {name}: "
+                                         f"{'.'.join([attr, *keys[:depth]])} has no entry {key!r} (its keys: {known})")
+                    if depth < len(keys) - 1:
+                        table = table[key]
+                if isinstance(table[key], dict):
+                    raise SystemExit(f"nanoqwen bench: --before-set {name}: a table; name one of its entries "
+                                     f"({', '.join(sorted(table[key]))})")
+                saved.append((table, key, table[key]))
                 table[key] = value
             else:
                 old = getattr(be, attr)

@@ -58,20 +58,23 @@ def test_before_set_gives_a_numeric_knob_its_type_and_restores_every_knob():
     `rmsnorm_held=off` the bool False (the text "off" would be true), an optional count that is None now
     (pages_per_split) an int or None, a text knob keeps the text, a table entry is set by key, everything
     is restored after the block, and a value that is not a number (or not on/off) for such a knob is
-    refused with a line naming it."""
+    refused with a line naming it, as are a table's unknown entry (a typo would change nothing) and a
+    table named without its entry. A nested table takes its entry by both keys."""
     got = json.loads(in_bench("""
         import json, types
         be = types.SimpleNamespace(att_blocks=264, pdl="on", rmsnorm_held=True, pages_per_split=None,
                                    gemv_config={"int4_sym_g128": {"down_residual": "tc_w8_u4"}})
-        spec = "att_blocks=528,pdl=off,rmsnorm_held=off,pages_per_split=2,gemv_config.int4_sym_g128=x"
+        spec = "att_blocks=528,pdl=off,rmsnorm_held=off,pages_per_split=2,gemv_config.int4_sym_g128.down_residual=x"
         with decode_bench.backend_settings(be, spec) as settings:
             inside = [be.att_blocks, type(be.att_blocks).__name__, be.pdl, be.rmsnorm_held, be.pages_per_split,
-                      be.gemv_config["int4_sym_g128"]]
+                      dict(be.gemv_config["int4_sym_g128"])]
         after = [be.att_blocks, be.pdl, be.rmsnorm_held, be.pages_per_split, be.gemv_config["int4_sym_g128"]]
         with decode_bench.backend_settings(be, "pages_per_split=None"):
             none_inside = be.pages_per_split
         refused = {}
-        for bad in ("att_blocks=lots", "rmsnorm_held=maybe", "pages_per_split=few", "pages_per_split=-1"):
+        for bad in ("att_blocks=lots", "rmsnorm_held=maybe", "pages_per_split=few", "pages_per_split=-1",
+                    "gemv_config.int4_sym_g128.down=x", "gemv_config.int3.down_residual=x",
+                    "gemv_config.int4_sym_g128=x", "att_blocks.x=1"):
             try:
                 with decode_bench.backend_settings(be, bad):
                     pass
@@ -80,16 +83,24 @@ def test_before_set_gives_a_numeric_knob_its_type_and_restores_every_knob():
         print(json.dumps({"inside": inside, "after": after, "settings": settings, "refused": refused,
                           "none_inside": none_inside, "restored": [be.att_blocks, be.rmsnorm_held, be.pages_per_split]}))
     """))
-    assert got["inside"] == [528, "int", "off", False, 2, "x"]
+    assert got["inside"] == [528, "int", "off", False, 2, {"down_residual": "x"}]
     assert got["after"] == [264, "on", True, None, {"down_residual": "tc_w8_u4"}]
     assert got["none_inside"] is None
     assert got["settings"] == {"att_blocks": "528", "pdl": "off", "rmsnorm_held": "off", "pages_per_split": "2",
-                               "gemv_config.int4_sym_g128": "x"}
+                               "gemv_config.int4_sym_g128.down_residual": "x"}
     assert got["refused"] == {
         "att_blocks=lots": "nanoqwen bench: --before-set att_blocks='lots': expected int",
         "rmsnorm_held=maybe": "nanoqwen bench: --before-set rmsnorm_held='maybe': expected on or off",
         "pages_per_split=few": "nanoqwen bench: --before-set pages_per_split='few': expected an integer >= 0 or none",
-        "pages_per_split=-1": "nanoqwen bench: --before-set pages_per_split='-1': expected an integer >= 0 or none"}
+        "pages_per_split=-1": "nanoqwen bench: --before-set pages_per_split='-1': expected an integer >= 0 or none",
+        "gemv_config.int4_sym_g128.down=x": "nanoqwen bench: --before-set gemv_config.int4_sym_g128.down: "
+                                            "gemv_config.int4_sym_g128 has no entry 'down' (its keys: down_residual)",
+        "gemv_config.int3.down_residual=x": "nanoqwen bench: --before-set gemv_config.int3.down_residual: "
+                                            "gemv_config has no entry 'int3' (its keys: int4_sym_g128)",
+        "gemv_config.int4_sym_g128=x": "nanoqwen bench: --before-set gemv_config.int4_sym_g128: a table; name one of "
+                                       "its entries (down_residual)",
+        "att_blocks.x=1": "nanoqwen bench: --before-set att_blocks.x: att_blocks has no entry 'x' (its keys: none: "
+                          "not a table)"}
     assert got["restored"] == [264, True, None]
 
 
