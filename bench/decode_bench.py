@@ -49,12 +49,24 @@ ROOT = Path(__file__).resolve().parents[1]
 GROUP = 128
 
 
+def _shape(text: str) -> str:
+    """argparse type: a named shape of engine/config.py SHAPES (one line and exit 2 otherwise, before any work)."""
+    from engine.config import SHAPES
+
+    if text not in SHAPES:
+        raise argparse.ArgumentTypeError(f"unknown shape {text!r}; one of {', '.join(sorted(SHAPES))}")
+    return text
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--shape", default="qwen2.5-coder-7b", help="a named shape of engine/config.py SHAPES")
-    p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--seed", type=int, default=0)
-    from engine.cli import formats_arg, renamed  # formats_arg: the one `--quant a,b|all` reading (quant-report's too)
+    from engine.cli import formats_arg, int_at_least, non_negative_int, renamed  # formats_arg: the one `--quant
+    # a,b|all` reading (quant-report's too); a count out of range is one line and exit 2, before any work
+
+    p.add_argument("--shape", default="qwen2.5-coder-7b", type=_shape, help="a named shape of engine/config.py SHAPES")
+    p.add_argument("--prompt-len", type=int_at_least(1, "a prompt of at least 1 token"), default=512)
+    # the protocol times the steps between tokens, and drops the first two eager ones: 4 at least
+    p.add_argument("--new-tokens", type=int_at_least(4, "at least 4 new tokens"), default=128)
+    p.add_argument("--seed", type=non_negative_int, default=0)
 
     p.add_argument("--quant", default="int4_sym_g128", type=formats_arg, metavar="FORMAT,...|all",
                    help="weight formats to time, each in its own model (default int4_sym_g128); the first gets "
@@ -402,10 +414,7 @@ def main(args) -> int:
 
     from engine.config import SHAPES
 
-    if args.shape not in SHAPES:
-        print(f"nanoqwen bench: unknown shape {args.shape!r}; one of {sorted(SHAPES)}", file=sys.stderr)
-        return 2
-    cfg = SHAPES[args.shape]
+    cfg = SHAPES[args.shape]  # a known shape: the parser's `_shape` took it
     outdir = Path(args.report)
     outdir.mkdir(parents=True, exist_ok=True)
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)

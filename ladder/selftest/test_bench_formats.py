@@ -53,6 +53,37 @@ def test_quant_takes_all_or_a_list_in_order_once_each_and_refuses_the_rest():
     assert "an empty item in 'int4_sym_g128,,nope'" in got["bad"]["int4_sym_g128,,nope"][1]
 
 
+def test_a_count_or_shape_out_of_range_is_one_line_and_exit_2_before_any_work():
+    """The bench's own parser refuses what would fail late on the GPU or time nothing: an empty prompt, fewer
+    than 4 new tokens (the protocol times the steps between tokens and drops two eager ones: a median of
+    nothing is NaN), a negative seed, a shape it does not know; each in one line naming the argument."""
+    got = json.loads(in_bench("""
+        import argparse, contextlib, io, json
+        p = argparse.ArgumentParser(prog="nanoqwen bench")
+        decode_bench.add_arguments(p)
+        out = {}
+        for argv in (["--prompt-len", "0"], ["--prompt-len", "x"], ["--new-tokens", "3"], ["--seed", "-1"],
+                     ["--shape", "qwen9"]):
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err):
+                try:
+                    p.parse_args(argv)
+                except SystemExit as e:
+                    out[" ".join(argv)] = [e.code, err.getvalue().strip().splitlines()[-1]]
+        ok = p.parse_args(["--prompt-len", "1", "--new-tokens", "4", "--seed", "0", "--shape", "qwen2.5-coder-7b"])
+        print(json.dumps({"bad": out, "ok": [ok.prompt_len, ok.new_tokens, ok.seed, ok.shape]}))
+    """))
+    bad = got["bad"]
+    assert set(bad) == {"--prompt-len 0", "--prompt-len x", "--new-tokens 3", "--seed -1", "--shape qwen9"}
+    assert all(code == 2 for code, _ in bad.values()), bad
+    assert "argument --prompt-len: expected a prompt of at least 1 token, got 0" in bad["--prompt-len 0"][1]
+    assert "got 'x'" in bad["--prompt-len x"][1]
+    assert "argument --new-tokens: expected at least 4 new tokens, got 3" in bad["--new-tokens 3"][1]
+    assert "argument --seed: expected a non-negative integer, got -1" in bad["--seed -1"][1]
+    assert "argument --shape: unknown shape 'qwen9'; one of " in bad["--shape qwen9"][1]
+    assert got["ok"] == [1, 4, 0, "qwen2.5-coder-7b"]
+
+
 def test_before_set_gives_a_numeric_knob_its_type_and_restores_every_knob():
     """`--before-set att_blocks=528` must set the int 528 (the launcher does arithmetic with it) and
     `rmsnorm_held=off` the bool False (the text "off" would be true), an optional count that is None now
