@@ -51,10 +51,11 @@ GROUP = 128
 
 def _shape(text: str) -> str:
     """argparse type: a named shape of engine/config.py SHAPES (one line and exit 2 otherwise, before any work)."""
-    from engine.config import SHAPES
+    from bench.checks import shape_problem
 
-    if text not in SHAPES:
-        raise argparse.ArgumentTypeError(f"unknown shape {text!r}; one of {', '.join(sorted(SHAPES))}")
+    problem = shape_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
     return text
 
 
