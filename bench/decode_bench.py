@@ -60,8 +60,9 @@ def _shape(text: str) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from engine.cli import formats_arg, int_at_least, non_negative_int, renamed  # formats_arg: the one `--quant
-    # a,b|all` reading (quant-report's too); a count out of range is one line and exit 2, before any work
+    # formats_arg: the one `--quant a,b|all` reading (quant-report's too); a count out of range, like a bad
+    # format, is one line and exit 2, before any work
+    from engine.cli import formats_arg, int_at_least, non_negative_int, renamed
 
     p.add_argument("--shape", default="qwen2.5-coder-7b", type=_shape, help="a named shape of engine/config.py SHAPES")
     p.add_argument("--prompt-len", type=int_at_least(1, "a prompt of at least 1 token"), default=512)
