@@ -101,10 +101,6 @@ __device__ __forceinline__ unsigned long long wgmma_desc_sw128(const void* smem)
     const unsigned long long a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
     return ((a >> 4) & 0x3FFFull) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
 }
-// cp.async writes shared memory through the generic proxy, wgmma reads it through the async proxy: a reader
-// that has seen the writes (through an mbarrier) fences before its wgmma read them.
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-
 // TMA (cp.async.bulk.tensor): the copy engine moves a box of a tensor global -> shared, no thread's registers
 // or load slots on the way, laid out (and swizzled) as the tensor map says. TmaMap is CUtensorMap's 128 bytes,
 // encoded on the host (kernels/cuda/loader.py tensor_map_2d) and passed by value as a __grid_constant__
