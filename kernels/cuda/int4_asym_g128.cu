@@ -195,9 +195,5 @@ int4_asym_g128_mma_pipe64_f32(const f16_bits* x, const u32* qweight, const u32* 
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)
 int4_asym_g128_wgmma_f32(const __grid_constant__ TmaMap xmap, const u32* qweight, const u32* scale_zero, float* y,
                          int T, int N, int K, float* carry, unsigned* flags) {
-    const AsymGroups gs{scale_zero, K / 128};
-    if (carry != nullptr)
-        int4_wgmma<true>(xmap, qweight, gs, y, T, N, K, carry, flags);
-    else
-        int4_wgmma<false>(xmap, qweight, gs, y, T, N, K, carry, flags);
+    int4_wgmma_entry(xmap, qweight, AsymGroups{scale_zero, K / 128}, y, T, N, K, carry, flags);
 }

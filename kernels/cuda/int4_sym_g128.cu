@@ -469,9 +469,5 @@ int4_mma_pipe64_f32(const f16_bits* x, const u32* qweight, const f16_bits* scale
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)
 int4_wgmma_f32(const __grid_constant__ TmaMap xmap, const u32* qweight, const f16_bits* scales, float* y, int T,
                int N, int K, float* carry, unsigned* flags) {
-    const SymGroups gs{scales, K / 128};
-    if (carry != nullptr)
-        int4_wgmma<true>(xmap, qweight, gs, y, T, N, K, carry, flags);
-    else
-        int4_wgmma<false>(xmap, qweight, gs, y, T, N, K, carry, flags);
+    int4_wgmma_entry(xmap, qweight, SymGroups{scales, K / 128}, y, T, N, K, carry, flags);
 }

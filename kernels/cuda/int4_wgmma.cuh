@@ -300,3 +300,13 @@ __device__ __forceinline__ void int4_wgmma(const TmaMap& xmap, const u32* __rest
             }
     }
 }
+
+// An entry point's body: the spread launch (carry != nullptr) and one block a tile, separate instantiations
+template <class Groups>
+__device__ __forceinline__ void int4_wgmma_entry(const TmaMap& xmap, const u32* qweight, const Groups gs, float* y,
+                                                 int T, int N, int K, float* carry, unsigned* flags) {
+    if (carry != nullptr)
+        int4_wgmma<true>(xmap, qweight, gs, y, T, N, K, carry, flags);
+    else
+        int4_wgmma<false>(xmap, qweight, gs, y, T, N, K, carry, flags);
+}
