@@ -16,7 +16,7 @@
 //     K-major (two atoms of 64 inputs, 16 KB each; token t's row of an atom is 128 B at t * 128, its 16-byte
 //     chunk j stored at chunk j ^ (t % 8)), and the 128 weight rows' 16 packed words (rows padded to
 //     WG_WPAD = 20 words, 80 B: the 8 rows r of a consumer's uint2 read land in 8 different bank pairs).
-//     WG_STAGES stages in dynamic shared memory;
+//     WG_STAGES stages in dynamic shared memory (five: the most that fit);
 //   * mbarriers instead of block barriers. full[s] completes when the producer's 128 threads' copies into
 //     stage s have landed (cp.async.mbarrier.arrive.noinc: the arrival fires once the thread's earlier
 //     cp.async are done) and x's 32 KB with them (thread 0's expect_tx arrival), empty[s] when all 256
@@ -50,12 +50,12 @@
 #define WG_THREADS 384
 #define WG_BM 128
 #define WG_BN 128
-#define WG_STAGES 4
+#define WG_STAGES 5  // 5 x 42 KB of the 227 KB a block may have; 4 ran 1.01-1.17x slower (bench/NOTES.md, v5)
 #define WG_WPAD 20
 #define WG_GROUP_N 16  // the grouped launch order's weight tiles a group, past as many token tiles (below)
 #define WG_XBYTES 32768
 #define WG_WBYTES 10240
-#define WG_SMEM 172096
+#define WG_SMEM 215120
 #define WG_TO_CARRY 1    // a segment that leaves its totals to the next block (the spread launch's cut tile)
 #define WG_FROM_CARRY 2  // a segment that starts from the block before's totals
 #define WG_CARRY_SPINS (1 << 26)  // polls of a carry's flag (an L2 round trip each: about a minute), then a trap
