@@ -147,9 +147,9 @@ def run_ops(be, say=lambda line: print(line, flush=True)) -> None:
 
 
 def run_wgmma(be, fmt, say) -> None:
-    """The format's wgmma prefill kernel, where it has one (the prefill cases above are below its 64 tokens):
-    one block a tile, and spread over 3 blocks (8 partial tiles of 3 groups: tiles cut between blocks, their
-    totals carried through global memory behind a flag)."""
+    """The format's wgmma prefill kernel, where it has one (the prefill cases above, 3 tokens, are below the
+    16 from which "auto" takes it): one block a tile, and spread over 3 blocks (8 partial tiles of 3 groups:
+    tiles cut between blocks, their totals carried through global memory behind a flag)."""
     from ladder.checks import ops
 
     if not _has_wgmma(be, fmt):

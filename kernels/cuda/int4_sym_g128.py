@@ -30,9 +30,10 @@ PREFILL_VARIANTS = ("auto", "wgmma", "pipe", "pipe64", "mma")
 WGMMA_KERNEL = "int4_wgmma_f32"  # "wgmma": launched by linear.launch_wgmma (its own grid, threads, shared memory)
 DEFAULT_PREFILL = "auto"
 # "auto": measured per layer of the 7B shape on an H200 (python -m bench.prefill_gemm, bench/NOTES.md v5),
-# the wgmma kernel is the fastest from 64 tokens (7% ahead of "mma" at 64, 16% at 128, 22% at 256, 28-30%
-# ahead of the ring from 512 to 8192); at 16 tokens the register-staged "mma" is 10% faster than it
-WGMMA_FROM_TOKENS = 64
+# the wgmma kernel (x by TMA, five stages) is the fastest from 16 tokens: 0.376 ms a layer against the
+# register-staged "mma"'s 0.520 at 16, 0.375 against 0.566 at 64, 28-30% ahead of the ring from 512 to 8192.
+# Below 16 tokens "mma" stays (not measured there; int4_asym_g128 crosses at 16 too)
+WGMMA_FROM_TOKENS = 16
 GEMV_KERNEL = "int4_gemv"
 CHUNK_INPUTS = 32  # inputs of one 16-byte weight load (4-bit weights): the step of the CUDA-core
 # variants' thread loop (thread i takes loads i, i + threads, ...); catalog.loop_stride reads it
