@@ -81,6 +81,10 @@ def _quick_pytest(monkeypatch):
     # The temporary repositories' tests need no plugin; skipping the autoloaded ones (hypothesis,
     # xdist) makes each of the handful of pytest runs start faster.
     monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+    # Bytecode written, as on most users' machines (some set this variable, some CI images among them):
+    # these repositories' commits come within a second of each other with edits that keep a file's size,
+    # where a cached .pyc of the revision before would pass for the next one's (bisect.py _pytest_env).
+    monkeypatch.delenv("PYTHONDONTWRITEBYTECODE", raising=False)
 
 
 @pytest.fixture(scope="module")

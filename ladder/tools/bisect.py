@@ -187,8 +187,14 @@ def pytest_command(worktree, selection=None, backend: str | None = None, final: 
 
 
 def _pytest_env(worktree, repo) -> dict:
-    """The environment with the worktree first on PYTHONPATH (and the user's checkout off it)."""
+    """The environment with the worktree first on PYTHONPATH (and the user's checkout off it), and no
+    bytecode written there. The worktree's files change from revision to revision in place, and a cached
+    .pyc (Python's, or pytest's rewritten test module) is reused when its source has the same size and the
+    same mtime to the second: a revision checked out within a second of the last one's run, with an edit
+    that keeps the size (`assert x == 1` -> `assert x == 2`), ran the revision before's code and got its
+    verdict. Every revision compiles its own sources instead."""
     env = git.environment()
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
     skip = {os.path.normcase(os.path.realpath(p)) for p in (worktree, repo)}
     rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
             if p and os.path.normcase(os.path.realpath(p)) not in skip]
