@@ -301,6 +301,8 @@ def changed_patterns(rev: str, root: Path = ROOT) -> tuple[list[str] | None, lis
     for rel in sorted(set(names)):
         if rel.startswith(NOT_CHECKED) or rel.endswith(".md"):
             continue
+        if "__pycache__/" in rel or rel.endswith((".pyc", ".pyo")):  # bytecode a run left, in a tree that
+            continue  # does not ignore it: never a change of its own (its source's diff says what changed)
         if not rel.startswith("kernels/"):
             return None, [rel]
         path = root / rel

@@ -247,6 +247,10 @@ def test_changed_reads_functions_from_the_diff_and_runs_everything_outside_the_k
     (project_repo / "docs").mkdir()
     (project_repo / "docs" / "notes.txt").write_text("a note\n")  # documentation changes no case
     assert launches.changed_patterns("HEAD", project_repo)[0] == patterns
+    cached = project_repo / "engine" / "__pycache__" / "block.cpython-311.pyc"  # a run's bytecode, in a tree
+    cached.parent.mkdir()  # without a .gitignore (this copy has none): untracked, and no change
+    cached.write_bytes(b"\x00" * 16)
+    assert launches.changed_patterns("HEAD", project_repo)[0] == patterns
     engine = project_repo / "engine" / "block.py"
     engine.write_text(engine.read_text() + "\n")
     assert launches.changed_patterns("HEAD", project_repo) == (None, ["engine/block.py"])
