@@ -485,12 +485,13 @@ def test_attention_prefill_kernels_are_causal_at_every_tile_and_page_edge(backen
 
 
 @pytest.mark.parametrize("variant", ("tc", "warp"))
-@pytest.mark.parametrize("nq, nkv, d", [(18, 2, 64), (4, 2, 96), (2, 1, 32), (4, 2, 36)])
+@pytest.mark.parametrize("nq, nkv, d", [(18, 2, 64), (4, 2, 96), (2, 1, 32), (4, 2, 36), (2, 1, 256)])
 def test_attention_layouts_the_warp_kernel_does_not_hold_take_the_block_kernel(backend, variant, nq, nkv, d):
     """9 query heads per KV head, or a head_dim other than 64 and 128: the registers of the tensor-core and
     warp kernels do not hold them, so the backend runs paged_attention_f16, and the answer is still right.
     A head_dim that is not a multiple of 8 (36) takes that kernel's scalar loads of K and V instead of its
-    16-byte ones."""
+    16-byte ones; one above 128 (256) takes the split combine's second pass over the columns (a block
+    merges 128 columns a pass: attention_combine_f16)."""
     with _backend_setting(backend, attention_variant=variant):
         assert backend.attention_kernel(nq, nkv, d) == "paged_attention_f16"
         for L, T in ((40, 1), (40, 6)):
