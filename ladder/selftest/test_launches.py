@@ -259,6 +259,7 @@ def test_changed_reads_functions_from_the_diff_and_runs_everything_outside_the_k
 
 
 @skip_inside_nested_run
+@pytest.mark.long  # 9 to 30 s on CI's 2 cores: started first, not left to end the suite alone
 def test_ladder_changed_runs_only_the_cases_that_launch_the_changed_function(project_repo, tmp_path):
     cache = tmp_path / "cache"
     env = child_env("numpy", pythonpath=str(project_repo), NANOQWEN_CACHE=str(cache))

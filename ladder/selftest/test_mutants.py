@@ -136,6 +136,7 @@ def _mutant(rel: str, function: str, original: str, replacement: str) -> Mutant:
 
 
 @skip_inside_nested_run
+@pytest.mark.long  # 9 to 30 s on CI's 2 cores: started first, not left to end the suite alone
 def test_a_caught_mutant_is_killed_and_a_harmless_one_survives():
     killed = _mutant("kernels/numpy/__init__.py", "rotate", "*", "+")  # RoPE's rotation: the unit rung sees it
     harmless = _mutant("kernels/numpy/linear.py", "<module>", "18", "17")  # a block size: the same sums

@@ -190,6 +190,7 @@ def _junit_cases(folder: Path, rung: str) -> list[str]:
 
 
 @skip_inside_nested_run
+@pytest.mark.long  # 9 to 30 s on CI's 2 cores: started first, not left to end the suite alone
 def test_three_shards_merge_to_the_report_of_one_run(tmp_path):
     # The whole run and the three shards at once, as the machines of a sharded nightly would run them
     # (each is a few pytest processes that mostly wait on their start-up).

@@ -58,6 +58,7 @@ def leftovers(tmp_path: Path) -> list[str]:
 
 
 @skip_inside_nested_run
+@pytest.mark.long  # 9 to 30 s on CI's 2 cores: started first, not left to end the suite alone
 def test_rungs_side_by_side_are_reported_in_ladder_order(tmp_path):
     # unit and graph each wait for the other: green only if they ran at the same time
     proc, rep = ladder(tmp_path, {
@@ -100,6 +101,7 @@ def test_a_red_rung_stops_the_rungs_beside_it_and_leaves_them_out(tmp_path):
 
 
 @skip_inside_nested_run
+@pytest.mark.long  # 9 to 30 s on CI's 2 cores: started first, not left to end the suite alone
 def test_keep_going_side_by_side_reports_every_rung(tmp_path):
     proc, rep = ladder(tmp_path, {
         "unit": wait_for("graph") + "assert False, 'planted red'",

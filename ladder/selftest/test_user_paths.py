@@ -154,6 +154,7 @@ def _copy_source(repo: Path, dst: Path) -> None:
             shutil.copy2(repo / rel, dst / rel)
 
 
+@pytest.mark.long  # 9 to 30 s on CI's 2 cores: started first, not left to end the suite alone
 def test_a_wheel_installed_elsewhere_runs_the_ladder(tmp_path):
     """Built and installed as a wheel (not editable) into a folder of its own: the package data (CUDA
     sources, the default model, prompts, golden files) travel, and a rung runs from that folder alone."""
