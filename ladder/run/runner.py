@@ -165,6 +165,16 @@ NO_TEST = 5  # pytest's "no tests collected"
 _ERROR_LINE = re.compile(r"^(?:ERROR: |[^\s:][^:]{0,60}: error: )(.+)")
 
 
+def pytest_error_line(text: str) -> str | None:
+    """The first of pytest's own error lines in `text` (its stderr), without the prefix; argparse's usage
+    line, which comes before its reason (`unrecognized arguments: -n`), is passed over."""
+    for line in text.splitlines():
+        m = _ERROR_LINE.match(line.strip())
+        if m and not m.group(1).startswith("usage:"):
+            return m.group(1).strip()
+    return None
+
+
 def run_rung(cmd: list[str], env: dict, rung: str | None = None, out: Path | None = None) -> tuple[int, str | None]:
     """Run one rung's pytest: (its exit status, its first error line on stderr, or None).
 
@@ -275,12 +285,7 @@ class RungRun:
             from ladder.plugin.liveness import cause
 
             self.watch.say(f"nanoqwen: rung {rung}: its pytest process was {cause(code, {})}")
-        text = bytes(self.kept).decode(errors="replace")
-        for line in text.splitlines():
-            m = _ERROR_LINE.match(line.strip())
-            if m and not m.group(1).startswith("usage:"):  # argparse's usage line comes before its reason
-                return code, m.group(1).strip()
-        return code, None
+        return code, pytest_error_line(bytes(self.kept).decode(errors="replace"))
 
 
 STALL_SECONDS = "NANOQWEN_STALL_SECONDS"  # a rung with no sign of life for this long is stopped (default 900)

@@ -196,6 +196,14 @@ def test_rungs_red_on_the_unmutated_tree_refuse_the_run(tmp_path):
     assert not (tmp_path / "m").exists()
 
 
+def test_a_clean_run_pytest_refuses_names_pytests_reason_not_its_usage_line(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "ladder", "mutate", "--sample", "1", "--rungs", "unit", "-n", "1",
+                        "--report", str(tmp_path / "m"), "--", "--no-such-option"],
+                       cwd=tmp_path, capture_output=True, text=True, env=child_env("numpy"), timeout=120)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "(exit 4: unrecognized arguments: --no-such-option)" in r.stderr, r.stderr
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--rungs", "unit,typo"], "--rungs"),
     (["--files", "kernels/nowhere/*.py"], "--files"),

@@ -151,8 +151,13 @@ def clean_run(backend: str, rungs, jobs: int, extra: list[str], env: dict, folde
         t0 = time.perf_counter()
         r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         if r.returncode not in (0, 5):
+            from ladder.run.runner import pytest_error_line
+
             lines = (r.stdout + r.stderr).strip().splitlines()
-            first = next((ln for ln in lines if ln.startswith(("FAILED", "ERROR"))), (lines or ["no output"])[-1])
+            # pytest's own reason where it gave one (a usage error's `unrecognized arguments: -n`, not the
+            # usage line before it), else the first failed case, else the last line
+            first = pytest_error_line(r.stderr) or next((ln for ln in lines if ln.startswith(("FAILED", "ERROR"))),
+                                                        (lines or ["no output"])[-1])
             raise MutateError(f"the {rung} rung is red on the unmutated tree (exit {r.returncode}: {first.strip()}); "
                               f"a mutant's verdict would mean nothing")
         data = json.loads(out.read_text()) if out.exists() else {}
