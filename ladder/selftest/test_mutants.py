@@ -196,6 +196,7 @@ def test_rungs_red_on_the_unmutated_tree_refuse_the_run(tmp_path):
     assert not (tmp_path / "m").exists()
 
 
+@skip_inside_nested_run
 def test_a_clean_run_pytest_refuses_names_pytests_reason_not_its_usage_line(tmp_path):
     r = subprocess.run([sys.executable, "-m", "ladder", "mutate", "--sample", "1", "--rungs", "unit", "-n", "1",
                         "--report", str(tmp_path / "m"), "--", "--no-such-option"],
