@@ -433,6 +433,22 @@ def test_attention_decode_spreads_more_pages_than_splits(backend, variant):
             check_attention(backend, "attention_decode", case)
 
 
+COMBINE = CATALOG.defines("paged_attention.cu")  # attention_combine_f16's block and its most splits
+
+
+@pytest.mark.parametrize("variant", ATTENTION_VARIANTS)
+def test_attention_decode_with_more_splits_than_the_combine_has_threads(backend, variant):
+    """One page a split over COMBINE_THREADS + 44 pages of keys: attention_combine_f16's loops over the
+    splits (each thread's m and l, the weights it leaves in shared memory) take a second pass, which no
+    other case reaches (the most splits elsewhere are 64)."""
+    splits = COMBINE["COMBINE_THREADS"] + 44
+    assert splits <= COMBINE["COMBINE_MAX_SPLITS"]  # the launcher refuses more
+    with _backend_setting(backend, pages_per_split=1, attention_variant=variant):
+        L = 16 * splits
+        check_attention(backend, "attention_decode",
+                        PagedCase.build(seed=L, L=L, T=1, nq=2, nkv=1, d=64, layout="shuffled"))
+
+
 @pytest.mark.parametrize("variant", ATTENTION_VARIANTS)
 @pytest.mark.parametrize("L", PAGE_BOUNDARY_LENGTHS)
 def test_attention_variant_at_every_page_edge(backend, variant, L):
