@@ -19,8 +19,9 @@
   kernel (tensor cores, warp, block) at its tile and page edges; every decode attention kernel (the
   tensor-core one, the warp-per-page one and paged_attention_f16) with fixed and dynamic split sizes (one
   page per split: splits past the length are empty; more used pages than splits; a page table far longer
-  than the keys) and on every page edge, decode and prefill; head layouts the tensor-core and warp
-  kernels do not hold going to paged_attention_f16; rmsnorm reading rows of a larger buffer, and on
+  than the keys; more splits than the combine kernel has threads) and on every page edge, decode and
+  prefill; head layouts the tensor-core and warp kernels do not hold going to paged_attention_f16 (a
+  head_dim of 256: the combine's second pass over the columns); rmsnorm reading rows of a larger buffer, and on
   both sides of the row length it holds in registers (RMS_HELD elements a thread; longer rows take its
   loop), for the decode step's one row and a prefill's rows; the residual ops fused with the rmsnorm
   after them on the prefill path, on both sides of that row length, bit for bit as their two ops, and
