@@ -252,13 +252,12 @@ def _as_type_of(old, value: str, name: str):
     if old is None:
         if value.strip().lower() == "none":
             return None
+        from engine.cli import non_negative_int
+
         try:
-            count = int(value)
-        except ValueError:
-            count = -1
-        if count < 0:
-            raise SystemExit(f"nanoqwen bench: --before-set {name}={value!r}: expected an integer >= 0 or none")
-        return count
+            return non_negative_int(value)
+        except argparse.ArgumentTypeError:
+            raise SystemExit(f"nanoqwen bench: --before-set {name}={value!r}: expected an integer >= 0 or none") from None
     if not isinstance(old, (int, float)):
         return value
     try:
