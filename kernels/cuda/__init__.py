@@ -20,8 +20,9 @@ number of blocks (computed on the device from the current length) and merges the
 order; within a block, each warp owns whole pages in registers and runs both products of a page on
 the tensor cores (paged_attention_tc_d64/_d128, for head_dim 64 or 128 and up to 8 query heads per KV
 head; paged_attention_warp_d<D> does them on the CUDA cores; other layouts take paged_attention_f16). A
-prefill (T > 1) runs on the tensor cores (attention_prefill_tc_d64/_d128: 64 query rows of one KV head
-a block, each K/V page staged once per tile).
+prefill (T > 1) runs on wgmma (attention_prefill_wg_d64/_d128: 64 query rows of one KV head a block,
+64 keys a step, each K/V page staged once per tile; attention_prefill_tc_d64/_d128 is the same tile on
+mma.sync, a page a step).
 
 Every launch goes to CuPy's current stream, and nothing in a T = 1 op allocates memory once its scratch
 exists, so the decode step can be captured as a CUDA graph (engine/cuda_graph.py).
@@ -69,10 +70,12 @@ RMS_THREADS, RMS_THREADS_ONE = _RMS["RMS_THREADS"], _RMS["RMS_THREADS_ONE"]  # r
 # fits; "warp": paged_attention_warp_d<D> where it fits (head_dim 64 or 128, at most 8 query heads per
 # KV head); else, and for "block": paged_attention_f16 (the first kernel, kept for any shape)
 ATTENTION_VARIANTS = ("tc", "warp", "block")
-# prefill (T > 1): "tc" attention_prefill_tc_d<D> (tensor cores, 64 query rows a block; head_dim 64 or
-# 128) where it fits, else what attention_variant picks; "warp" / "block" force those kernels
-ATTENTION_PREFILL_VARIANTS = ("tc", "warp", "block")
-TC_ROWS = 64  # must match paged_attention.cu (attention_prefill_tc_d<D>)
+# prefill (T > 1): "wgmma" attention_prefill_wg_d<D> (wgmma, 64 query rows and 64 keys a step) and "tc"
+# attention_prefill_tc_d<D> (mma.sync, 64 query rows, a page a step) where they fit (head_dim 64 or 128),
+# else what attention_variant picks; "warp" / "block" force those kernels
+ATTENTION_PREFILL_VARIANTS = ("wgmma", "tc", "warp", "block")
+TC_ROWS = 64  # must match paged_attention.cu (attention_prefill_tc_d<D>, attention_prefill_wg_d<D>)
+WG_ATT_KEYS = _ATT["WG_ATT_KEYS"]  # attention_prefill_wg_d<D>'s keys a step
 SHARED_LIMIT = 48 * 1024  # static+dynamic shared memory without an opt-in attribute
 _EW_BLOCK = 256
 
@@ -267,7 +270,8 @@ class CudaBackend(Backend):
         self.sms = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["multiProcessorCount"]
         self.att_blocks = 2 * self.sms
         self.attention_variant = "tc"  # one of ATTENTION_VARIANTS (bench and the variant tests set it)
-        self.attention_prefill_variant = "tc"  # one of ATTENTION_PREFILL_VARIANTS
+        self.attention_prefill_variant = "wgmma"  # one of ATTENTION_PREFILL_VARIANTS
+        self._att_smem_set: set[str] = set()  # the prefill attention kernels given their dynamic shared memory
         # rmsnorm: rows of up to RMS_HELD x its block held in registers (True), or its strided loop at any length
         self.rmsnorm_held = True
         # the fused ops o_proj_residual_rmsnorm / down_residual_rmsnorm on the prefill path: the residual add
@@ -509,12 +513,21 @@ class CudaBackend(Backend):
         variant = self.attention_prefill_variant
         if variant not in ATTENTION_PREFILL_VARIANTS:
             raise ValueError(f"attention_prefill_variant {variant!r} is not one of {ATTENTION_PREFILL_VARIANTS}")
-        if T > 1 and variant == "tc" and d in ATT_WARP_HEAD_DIMS and nq // nkv <= TC_ROWS:
+        if T > 1 and variant in ("wgmma", "tc") and d in ATT_WARP_HEAD_DIMS and nq // nkv <= TC_ROWS:
             _need_attention(q, k_pages, v_pages, page_table, positions, out)
             qt = TC_ROWS // (nq // nkv)  # query tokens per block
-            self._k[f"attention_prefill_tc_d{d}"]((nkv, -(-T // qt)), (128,),
-                                                  (q, k_pages, v_pages, page_table, positions, out, _i32(nq), _i32(nkv),
-                                                   _i32(T), _i32(qt), _i32(page_table.shape[0]), np.float32(1.0 / np.sqrt(d))))
+            smem = 0
+            if variant == "wgmma":  # two stages of K and V, [64 keys][d] halves each, and 1 KB to align the atoms
+                smem = 2 * 2 * WG_ATT_KEYS * d * 2 + 1024
+                name = f"attention_prefill_wg_d{d}"
+                if name not in self._att_smem_set:  # a function attribute: past 48 KB only on request
+                    self._k[name].kernel.max_dynamic_shared_size_bytes = smem
+                    self._att_smem_set.add(name)
+            else:
+                name = f"attention_prefill_tc_d{d}"
+            self._k[name]((nkv, -(-T // qt)), (128,),
+                          (q, k_pages, v_pages, page_table, positions, out, _i32(nq), _i32(nkv), _i32(T), _i32(qt),
+                           _i32(page_table.shape[0]), np.float32(1.0 / np.sqrt(d))), shared_mem=smem)
             return
         saved = self.attention_variant
         if variant in ATTENTION_VARIANTS:

@@ -61,7 +61,9 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const void* smem)
 // thread): d[4 j + e], j = 0..15 the 8-column block, = (row 16 i + r (+ 8 for e >= 2), column 8 j + 2 c +
 // (e & 1)), lane = 4 r + c. It runs asynchronously: the registers it reads (A) and writes (D) may not be
 // touched between the issue and wgmma.wait_group, and wgmma.fence must come between any register write
-// and the next issue. scale_d = 0 starts D from zero (a fresh partial), 1 accumulates.
+// and the next issue. scale_d = 0 starts D from zero (a fresh partial), 1 accumulates. TRANS_B 0 reads B
+// K-major (wgmma_desc_sw128), 1 N-major (wgmma_desc_mn_sw128; fp16 allows either).
+template <int TRANS_B = 0>
 __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const u32 (&a)[4], unsigned long long desc_b,
                                                     int scale_d) {
     asm volatile(
@@ -70,7 +72,7 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const u32 (&
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
         "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, "
         "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "{%64, %65, %66, %67}, %69, p, 1, 1, 0;\n}\n"
+        "{%64, %65, %66, %67}, %69, p, 1, 1, %70;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
           "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
@@ -79,7 +81,24 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const u32 (&
           "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
           "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
           "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(scale_d), "l"(desc_b));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(scale_d), "l"(desc_b), "n"(TRANS_B));
+}
+// The same for N = 64 (attention_prefill_wg's scores, and its P V at head_dim 64): D is 32 fp32 a thread,
+// d[4 j + e] for the 8-column blocks j = 0..7, laid out as above.
+template <int TRANS_B = 0>
+__device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const u32 (&a)[4], unsigned long long desc_b,
+                                                   int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %36, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
+        "%23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %37, p, 1, 1, %38;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(scale_d), "l"(desc_b), "n"(TRANS_B));
 }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
@@ -87,9 +106,10 @@ __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_grou
 // The compiler sees wgmma's D as written at the issue; the hardware writes it until the wait. Passing every
 // register through an empty asm after the wait (and before the next issue) keeps reads of D after the wait
 // and writes of D (the fold) before the fence.
-__device__ __forceinline__ void wgmma_touch(float (&d)[64]) {
+template <int N>
+__device__ __forceinline__ void wgmma_touch(float (&d)[N]) {
 #pragma unroll
-    for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 // Shared-memory matrix descriptor for a K-major operand in the 128-byte swizzle: start address in 16-byte
 // units, LBO 1 (unused by a swizzled K-major operand), SBO 1024 B (8 rows of 128 B: the next 8 rows in M/N),
@@ -100,6 +120,15 @@ __device__ __forceinline__ void wgmma_touch(float (&d)[64]) {
 __device__ __forceinline__ unsigned long long wgmma_desc_sw128(const void* smem) {
     const unsigned long long a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
     return ((a >> 4) & 0x3FFFull) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
+}
+// The same swizzle for an N-major B (TRANS_B 1): an atom is 8 k-rows of 128 B (64 fp16 along N), k-row r's
+// 16-byte chunk j at chunk j ^ (r % 8). SBO (1024 B) steps to the next 8 k-rows, LBO (`n_atom_bytes`) to
+// the next 64 columns of N (PTX ISA, the wgmma shared-memory layouts: "MN-major, 128B swizzling",
+// ((8, 8, m), (8, k)) : ((1, 8, LBO), (64, SBO)) in fp16 elements).
+__device__ __forceinline__ unsigned long long wgmma_desc_mn_sw128(const void* smem, unsigned n_atom_bytes) {
+    const unsigned long long a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    return ((a >> 4) & 0x3FFFull) | ((unsigned long long)((n_atom_bytes >> 4) & 0x3FFF) << 16) |
+           ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
 }
 // TMA (cp.async.bulk.tensor): the copy engine moves a box of a tensor global -> shared, no thread's registers
 // or load slots on the way, laid out (and swizzled) as the tensor map says. TmaMap is CUtensorMap's 128 bytes,

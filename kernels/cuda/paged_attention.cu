@@ -581,6 +581,230 @@ attention_prefill_tc_d128(const f16_bits* q, const f16_bits* k_pages, const f16_
     attention_prefill_tc<128>(q, k_pages, v_pages, page_table, positions, out, nq, nkv, T, qt, max_pages, scale);
 }
 
+// ---- prefill on wgmma (sm_90a): attention_prefill_wg_d<D> ------------------------------------------------
+//
+// attention_prefill_tc's tile (64 query rows of one KV head, the same row order, grid and reverse tile
+// order) with both products issued by the whole warpgroup as wgmma, 64 keys (four pages) a step:
+//   * S = Q K^T: wgmma m64n64k16, Q the A operand from registers (each warp's 16 rows in mma.sync's A
+//     layout, as ldmatrix gives them), K the B operand from shared memory, K-major: a key's D halves;
+//   * O += P V: wgmma m64n<D>k16, P the A operand from registers (S's D fragment is P's A fragment, register
+//     for register, as in the tc kernel), V the B operand N-major (TRANS_B 1): a key's row of D halves is
+//     N-contiguous, so V is staged exactly as K is, no transpose anywhere;
+//   * a stage holds the step's K and V, [D / 64 atoms][64 keys][128 B] each in the 128-byte swizzle (key k's
+//     16-byte chunk j of an atom at chunk j ^ (k % 8), atoms 1024-byte aligned): for K the atom's rows are
+//     keys (SBO 1024 to the next 8 keys), for V the same rows are wgmma's k-rows (SBO 1024 to the next 8
+//     keys, LBO one atom column, 64 keys x 128 B, to the next 64 dims);
+//   * two stages by cp.async (16 B a thread a copy, zero-filled past the tile's keys and the page table):
+//     cp.async writes through the generic proxy and wgmma reads through the async proxy, so each thread
+//     fences the proxies after its copies land and before the block barrier that publishes the stage.
+// The precision contract as in the tc kernel: exact fp16 products summed in fp32, the scale on the fp32
+// score, the online softmax in fp32 (now over 64 keys a step), P = P_hi + P_lo, two fp16 numbers, two
+// products. 128 threads (one warpgroup), 2 x 2 x 64 D halves of dynamic shared memory and 1 KB for the
+// atoms' alignment; Q is staged through the second stage before its first use.
+#define WG_ATT_KEYS 64
+
+template <int D>
+__device__ __forceinline__ void attention_prefill_wg(const f16_bits* __restrict__ q, const f16_bits* __restrict__ k_pages,
+                                                     const f16_bits* __restrict__ v_pages, const int* __restrict__ page_table,
+                                                     const int* __restrict__ positions, f16_bits* __restrict__ out,
+                                                     int nq, int nkv, int T, int qt, int max_pages, float scale) {
+    constexpr int KS = D / 16;                      // k steps of S (over the head's dims)
+    constexpr int CH = D / 8;                       // 16-byte chunks of a key's row
+    constexpr int ATOM_COL = WG_ATT_KEYS * 128;     // bytes of one 64-dim atom column of a stage's K or V
+    constexpr int TILE = (D / 64) * ATOM_COL;       // bytes of a stage's K (or V)
+    extern __shared__ unsigned char att_smem_raw[];
+    unsigned char* const smem = att_smem_raw + ((1024 - (smem_addr(att_smem_raw) & 1023)) & 1023);
+    auto k_tile = [&](int b) { return smem + b * 2 * TILE; };
+    auto v_tile = [&](int b) { return smem + b * 2 * TILE + TILE; };
+    // byte offset of (row, 16-byte chunk ch) in a [D / 64][64][128 B] swizzled tile (rows: keys, or Q's rows)
+    auto swz = [](int row, int ch) { return (ch / 8) * ATOM_COL + row * 128 + (((ch % 8) ^ (row % 8)) << 4); };
+
+    const int kvh = blockIdx.x, t0 = (gridDim.y - 1 - blockIdx.y) * qt, group = nq / nkv;
+    const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP;
+    const int rows_used = qt * group;
+
+    // The tile's keys, 1 + the largest position of its tokens, computed by every warp (no shared word).
+    int mx = 0;
+    for (int i = lane; i < qt; i += WARP)
+        if (t0 + i < T) mx = imax(mx, positions[t0 + i]);
+#pragma unroll
+    for (int o2 = 16; o2 > 0; o2 >>= 1) mx = imax(mx, __shfl_xor_sync(FULL_MASK, mx, o2));
+    const int n_keys = mx + 1;
+    const int steps = (imin(n_keys, max_pages * PAGE) + WG_ATT_KEYS - 1) / WG_ATT_KEYS;
+
+    // Q rows -> stage 1's K tile (zero for rows past the tile), read into registers before stage 1 is loaded.
+    unsigned char* const qs = k_tile(1);
+    for (int i = tid; i < TC_ROWS * CH; i += 4 * WARP) {
+        const int r = i / CH, ch = i % CH, tok = t0 + r / group;
+        const bool ok = r < rows_used && tok < T;
+        const f16_bits* src = q + ((size_t)(ok ? tok : 0) * nq + kvh * group + (ok ? r % group : 0)) * D + ch * 8;
+        cp_async16(qs + swz(r, ch), src, ok ? 16 : 0);
+    }
+    cp_async_commit();
+
+    auto load_step = [&](int st, int b) {
+        unsigned char* const ks = k_tile(b);
+        unsigned char* const vs = v_tile(b);
+        for (int i = tid; i < WG_ATT_KEYS * CH; i += 4 * WARP) {
+            const int key = i / CH, ch = i % CH, j = st * WG_ATT_KEYS + key, pg = j / PAGE;
+            const bool ok = j < n_keys && pg < max_pages;  // past the tile's keys or the table: zero-filled
+            const size_t off = (((size_t)page_table[ok ? pg : 0] * nkv + kvh) * PAGE + (ok ? j % PAGE : 0)) * D + ch * 8;
+            cp_async16(ks + swz(key, ch), k_pages + off, ok ? 16 : 0);
+            cp_async16(vs + swz(key, ch), v_pages + off, ok ? 16 : 0);
+        }
+    };
+    load_step(0, 0);
+    cp_async_commit();
+
+    const int rlo = warp * 16 + lane / 4, rhi = rlo + 8, c = lane % 4;
+    auto row_pos = [&](int r) {
+        const int tok = t0 + r / group;
+        return r < rows_used && tok < T ? positions[tok] : positions[t0];
+    };
+    const int plo = row_pos(rlo), phi = row_pos(rhi), pmin = imin(plo, phi);
+
+    cp_async_wait<1>();  // Q has landed (step 0 may still fly); ldmatrix reads it through the generic proxy
+    __syncthreads();
+    u32 qa[KS][4];
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {  // lanes 0-15: rows 0-15 at dims 16 ks; lanes 16-31: the same at +8
+        const int r = warp * 16 + (lane % 16), ch = 2 * ks + lane / 16;
+        ldmatrix_x4(qa[ks], qs + swz(r, ch));
+    }
+    __syncthreads();  // every warp has its Q: stage 1 may be overwritten
+
+    float o[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
+    float m_lo = neg_inf(), m_hi = neg_inf(), l_lo = 0.0f, l_hi = 0.0f;
+
+    for (int st = 0; st < steps; ++st) {
+        const int b = st & 1;
+        if (st + 1 < steps) load_step(st + 1, b ^ 1);  // its stage was last read at st - 1 (barrier below)
+        cp_async_commit();
+        cp_async_wait<1>();  // this thread's copies of step st have landed ...
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // ... and are visible to wgmma's reads
+        __syncthreads();     // ... and everyone's
+
+        // S = Q K^T for the step's 64 keys (a fresh accumulator: scale_d 0 on the first k step).
+        float sc[32];
+#pragma unroll
+        for (int i = 0; i < 32; ++i) sc[i] = 0.0f;
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks)
+            wgmma_m64n64k16_rs<0>(sc, qa[ks], wgmma_desc_sw128(k_tile(b) + (ks / 4) * ATOM_COL + (ks % 4) * 32), ks);
+        wgmma_commit();
+        wgmma_wait_all();
+        wgmma_touch(sc);
+
+        // Mask (only where a key may pass a row's position), scale, row max. sc[4 j + e]: key 8 j + 2 c +
+        // (e & 1) of the step, row lo for e < 2, row hi for e >= 2; a row's 64 scores are on its quad.
+        const int k0 = st * WG_ATT_KEYS;
+        const bool masked = k0 + WG_ATT_KEYS - 1 > pmin;
+        float mxl = neg_inf(), mxh = neg_inf();
+#pragma unroll
+        for (int jb = 0; jb < 8; ++jb)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int j = k0 + jb * 8 + 2 * c + e;
+                float& sl = sc[4 * jb + e];
+                float& sh = sc[4 * jb + e + 2];
+                sl = !masked || j <= plo ? sl * scale : neg_inf();
+                sh = !masked || j <= phi ? sh * scale : neg_inf();
+                mxl = fmaxf(mxl, sl);
+                mxh = fmaxf(mxh, sh);
+            }
+#pragma unroll
+        for (int o2 = 1; o2 <= 2; o2 <<= 1) {
+            mxl = fmaxf(mxl, __shfl_xor_sync(FULL_MASK, mxl, o2));
+            mxh = fmaxf(mxh, __shfl_xor_sync(FULL_MASK, mxh, o2));
+        }
+        // Key 0 is in step 0 and every row's position is >= 0, so m is finite from step 0 on; a later step
+        // with all of a row's keys masked keeps its m (alpha 1, p 0).
+        const float nl = fmaxf(m_lo, mxl), nh = fmaxf(m_hi, mxh);
+        const float al = expf(m_lo - nl), ah = expf(m_hi - nh);  // 0 at step 0 (m = -inf)
+        m_lo = nl;
+        m_hi = nh;
+        float sl_ = 0.0f, sh_ = 0.0f;
+        u32 ph[4][4], pl[4][4];  // P as the A fragments of the P V products, k step kk = keys 16 kk .. + 15
+#pragma unroll
+        for (int jb = 0; jb < 8; ++jb) {
+            const float p0 = expf(sc[4 * jb] - nl), p1 = expf(sc[4 * jb + 1] - nl);  // masked: exp(-inf) = 0
+            const float p2 = expf(sc[4 * jb + 2] - nh), p3 = expf(sc[4 * jb + 3] - nh);
+            sl_ += p0 + p1;
+            sh_ += p2 + p3;
+            u32 hl, hh;
+            asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(hl) : "f"(p1), "f"(p0));  // low half = p0
+            asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(hh) : "f"(p3), "f"(p2));
+            float r0, r1, r2, r3;
+            h2x2f(hl, r0, r1);
+            h2x2f(hh, r2, r3);
+            u32 ll, lh;
+            asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(ll) : "f"(p1 - r1), "f"(p0 - r0));
+            asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(lh) : "f"(p3 - r3), "f"(p2 - r2));
+            // A fragment of k step jb / 2: a0 / a1 (row lo / hi) keys 2c, +1 of its first 8; a2 / a3 the next 8
+            ph[jb / 2][2 * (jb % 2)] = hl;
+            ph[jb / 2][2 * (jb % 2) + 1] = hh;
+            pl[jb / 2][2 * (jb % 2)] = ll;
+            pl[jb / 2][2 * (jb % 2) + 1] = lh;
+        }
+#pragma unroll
+        for (int o2 = 1; o2 <= 2; o2 <<= 1) {
+            sl_ += __shfl_xor_sync(FULL_MASK, sl_, o2);
+            sh_ += __shfl_xor_sync(FULL_MASK, sh_, o2);
+        }
+        l_lo = l_lo * al + sl_;
+        l_hi = l_hi * ah + sh_;
+#pragma unroll
+        for (int i = 0; i < D / 2; ++i) o[i] *= (i % 4) < 2 ? al : ah;
+
+        // O += P_hi V + P_lo V, 16 keys (two k-row atoms, 2 KB) a k step.
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            const unsigned long long dv = wgmma_desc_mn_sw128(v_tile(b) + kk * 2048, ATOM_COL);
+            if constexpr (D == 128) {
+                wgmma_m64n128k16_rs<1>(o, ph[kk], dv, 1);
+                wgmma_m64n128k16_rs<1>(o, pl[kk], dv, 1);
+            } else {
+                wgmma_m64n64k16_rs<1>(o, ph[kk], dv, 1);
+                wgmma_m64n64k16_rs<1>(o, pl[kk], dv, 1);
+            }
+        }
+        wgmma_commit();
+        wgmma_wait_all();
+        wgmma_touch(o);
+        __syncthreads();  // every warp's wgmma are done with stage b before step st + 2 is loaded into it
+    }
+    cp_async_wait<0>();
+
+    // out[token, head, dims 8 n + 2 c, +1] for this lane's two rows (o[4 n + e] as the tc kernel's o[n][e]).
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = h ? rhi : rlo, tok = t0 + r / group;
+        if (r >= rows_used || tok >= T) continue;
+        const float inv_l = 1.0f / (h ? l_hi : l_lo);
+        f16_bits* dst = out + ((size_t)tok * nq + kvh * group + r % group) * D + 2 * c;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            dst[n * 8] = f2h(o[4 * n + 2 * h] * inv_l);
+            dst[n * 8 + 1] = f2h(o[4 * n + 2 * h + 1] * inv_l);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(4 * WARP)
+attention_prefill_wg_d64(const f16_bits* q, const f16_bits* k_pages, const f16_bits* v_pages, const int* page_table,
+                         const int* positions, f16_bits* out, int nq, int nkv, int T, int qt, int max_pages, float scale) {
+    attention_prefill_wg<64>(q, k_pages, v_pages, page_table, positions, out, nq, nkv, T, qt, max_pages, scale);
+}
+extern "C" __global__ void __launch_bounds__(4 * WARP)
+attention_prefill_wg_d128(const f16_bits* q, const f16_bits* k_pages, const f16_bits* v_pages, const int* page_table,
+                          const int* positions, f16_bits* out, int nq, int nkv, int T, int qt, int max_pages, float scale) {
+    attention_prefill_wg<128>(q, k_pages, v_pages, page_table, positions, out, nq, nkv, T, qt, max_pages, scale);
+}
+
 // Merge the splits of one (token, head): out = sum_z acc_z e^(m_z - M) / sum_z l_z e^(m_z - M). A split
 // with l = 0 held no keys and gets weight 0 (its m is -inf, its acc 0). Grid (nq, T), COMBINE_THREADS
 // threads, splits <= COMBINE_MAX_SPLITS (the launcher checks). Latency, not bytes, is this kernel's

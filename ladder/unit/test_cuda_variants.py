@@ -477,11 +477,14 @@ def test_attention_decode_splits_past_the_length_weigh_nothing(backend, variant,
             check_attention(backend, "attention_decode", dataclasses.replace(case, page_table=table))
 
 
-@pytest.mark.parametrize("variant", ("tc", "warp", "block"))  # kernels/cuda/__init__.py ATTENTION_PREFILL_VARIANTS
+@pytest.mark.parametrize("variant", ("wgmma", "tc", "warp", "block"))  # kernels/cuda ATTENTION_PREFILL_VARIANTS
 def test_attention_prefill_kernels_are_causal_at_every_tile_and_page_edge(backend, variant):
-    """Each prefill kernel on prompts that end on, before and past its tiles (the tensor-core kernel's
+    """Each prefill kernel on prompts that end on, before and past its tiles (the tensor-core kernels'
     qt = 64 / group tokens) and pages, chunks after a cached prefix, head groups that do not divide 64
-    (rows left over in a tile), and the 7B layout over 300 keys with scores of std 64."""
+    (rows left over in a tile), and the 7B layout over 300 keys with scores of std 64. The wgmma kernel's
+    64-key steps: keys ending on (64), one past (65) and inside a step, a step's keys partly past the page
+    table (300: 19 pages, the fifth step reads 4), and a short chunk after a long prefix (whole steps
+    below every row's position, then the masked one)."""
     with _backend_setting(backend, attention_prefill_variant=variant):
         cases = [
             dict(L=2, T=2, nq=2, nkv=1, d=64, layout="contiguous"),
@@ -493,6 +496,8 @@ def test_attention_prefill_kernels_are_causal_at_every_tile_and_page_edge(backen
             dict(L=33, T=33, nq=10, nkv=2, d=64, layout="shuffled"),     # group 5: 60 of 64 rows used
             dict(L=130, T=130, nq=24, nkv=1, d=128, layout="shuffled"),  # group 24: 2 tokens a tile
             dict(L=300, T=300, nq=28, nkv=4, d=128, layout="sparse", scale=8.0),
+            dict(L=200, T=10, nq=28, nkv=4, d=128, layout="shuffled"),   # a chunk after a 190-token prefix
+            dict(L=129, T=129, nq=8, nkv=4, d=64, layout="sparse"),      # group 2 at d 64: 3 steps, the last 1 key
         ]
         for i, kw in enumerate(cases):
             if variant == "block" or (variant == "warp" and kw["nq"] // kw["nkv"] > 8):
