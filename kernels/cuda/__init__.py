@@ -274,6 +274,8 @@ class CudaBackend(Backend):
         self._att_smem_set: set[str] = set()  # the prefill attention kernels given their dynamic shared memory
         # rmsnorm: rows of up to RMS_HELD x its block held in registers (True), or its strided loop at any length
         self.rmsnorm_held = True
+        # rmsnorm's block for the one row of a decode step (T = 1): up to RMS_THREADS_ONE (its launch bounds)
+        self.rmsnorm_threads_one = RMS_THREADS_ONE
         # the fused ops o_proj_residual_rmsnorm / down_residual_rmsnorm on the prefill path: the residual add
         # and the rmsnorm in one kernel (True, rmsnorm.cu residual_add_rmsnorm_f32_f16), or the two ops
         self.rmsnorm_fold = True
@@ -430,7 +432,9 @@ class CudaBackend(Backend):
             raise TypeError("x: expected fp32 rows with contiguous elements")
         _need(weight, np.float16, "weight"), _need(out, np.float16, "out")
         T, H = x.shape
-        threads = RMS_THREADS_ONE if T == 1 else RMS_THREADS
+        threads = self.rmsnorm_threads_one if T == 1 else RMS_THREADS
+        if not (threads % 32 == 0 and 32 <= threads <= RMS_THREADS_ONE):
+            raise ValueError(f"rmsnorm_threads_one {threads} is not a multiple of 32 from 32 to {RMS_THREADS_ONE}")
         self._k["rmsnorm_f32_f16"]((T,), (threads,), (x, weight, out, _i32(H), np.int64(x.strides[0] // 4), np.float32(eps),
                                                       _i32(1 if self.rmsnorm_held else 0)))
 

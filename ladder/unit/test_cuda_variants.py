@@ -525,12 +525,17 @@ RMS = CATALOG.defines("rmsnorm.cu")  # rmsnorm_f32_f16: elements a thread holds,
 
 
 @pytest.mark.parametrize("held", [True, False], ids=["held", "loop"])
-@pytest.mark.parametrize("T,threads", [(1, RMS["RMS_THREADS_ONE"]), (3, RMS["RMS_THREADS"])], ids=["decode", "prefill"])
+@pytest.mark.parametrize("T,threads", [(1, None), (1, 128), (3, RMS["RMS_THREADS"])], ids=["decode", "decode128", "prefill"])
 def test_rmsnorm_on_both_sides_of_the_row_it_holds_in_registers(backend, T, threads, held):
     """Rows of RMS_HELD x threads elements or fewer are held in registers, longer ones take the loop:
-    one short of, on and one past that length, with the block the launcher gives T rows; and the same
-    lengths with `rmsnorm_held` off (the loop at every length, the path the bench times it against)."""
+    one short of, on and one past that length, with the block the launcher gives T rows (a decode row:
+    the backend's `rmsnorm_threads_one`, as shipped and at 128); and the same lengths with `rmsnorm_held`
+    off (the loop at every length, the path the bench times it against)."""
     knob = {"rmsnorm_held": held} if hasattr(backend, "rmsnorm_held") or not held else {}  # one rmsnorm: held runs it
+    if T == 1 and hasattr(backend, "rmsnorm_threads_one"):
+        threads = threads or backend.rmsnorm_threads_one
+        knob["rmsnorm_threads_one"] = threads
+    threads = threads or RMS["RMS_THREADS_ONE"]
     with _backend_setting(backend, **knob):
         length = RMS["RMS_HELD"] * threads
         for H in (length - 1, length, length + 1):
