@@ -17,7 +17,8 @@
 
 #define RMS_HELD 16          // elements a thread holds in registers
 #define RMS_THREADS 256      // a block per token row (the launcher's block for T > 1) ...
-#define RMS_THREADS_ONE 1024 // ... and for the one row of a decode step (T = 1)
+#define RMS_THREADS_ONE 1024 // ... and the most for the one row of a decode step (T = 1): the launch bounds;
+                             // the backend's rmsnorm_threads_one picks the block (this, by default)
 
 // The two kernels' shared steps. Held rows: a thread's RMS_HELD slots of the row (slot j is element
 // threadIdx.x + j * blockDim.x; a slot past H holds 0, and fmaf(0, 0, s) == s for s >= +0) and of the weight.

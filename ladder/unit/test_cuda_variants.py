@@ -185,6 +185,21 @@ def test_every_prefill_kernel_at_the_7b_depth_of_inputs(backend, quant_format):
                          case=f",7B depth{',prefill=' + variant if variant else ''}")
 
 
+EW_GRID_CAP = 65535 * 256  # the element-wise epilogues' most threads (kernels/cuda/__init__.py _blocks)
+
+
+def test_the_residual_epilogue_past_its_grid_cap(backend, quant_format):
+    """down_residual on the prefill path at 4,100 tokens x 4,096 rows (16,793,600 elements): past the
+    element-wise epilogue's grid, 65,535 blocks of 256 threads (16,776,960), so epi_residual_f32's
+    grid-stride loop takes a second pass over the last 16,640 elements. In the engine only the 8192-token
+    prefill's last down_residual (29 M elements) reaches that pass; the other cases end in the first."""
+    if backend.name != "cuda":
+        pytest.skip("the grid-capped element-wise epilogue is the CUDA backend's (kernels/cuda/epilogues.cu)")
+    T, rows = 4100, 4096
+    assert EW_GRID_CAP < T * rows < 2 * EW_GRID_CAP
+    check_linear(backend, quant_format, "down_residual", T, 128, rows, seed=T, case=",past the epilogue's grid")
+
+
 WGMMA = CATALOG.defines("int4_wgmma.cuh")  # the wgmma kernel's tiling and ring, read from its source
 
 
