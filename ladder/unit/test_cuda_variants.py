@@ -497,9 +497,10 @@ def test_attention_prefill_kernels_are_causal_at_every_tile_and_page_edge(backen
     """Each prefill kernel on prompts that end on, before and past its tiles (the tensor-core kernels'
     qt = 64 / group tokens) and pages, chunks after a cached prefix, head groups that do not divide 64
     (rows left over in a tile), and the 7B layout over 300 keys with scores of std 64. The wgmma kernel's
-    64-key steps: keys ending on (64), one past (65) and inside a step, a step's keys partly past the page
-    table (300: 19 pages, the fifth step reads 4), and a short chunk after a long prefix (whole steps
-    below every row's position, then the masked one)."""
+    64-key steps: keys ending on (64), one past (65) and inside a step, a step whose last pages lie past
+    the used ones (300 keys, 19 pages: the fifth step's fourth page is the table's unused -1 entry, never
+    read), and a short chunk after a long prefix (whole steps below every row's position, then the
+    masked one)."""
     with _backend_setting(backend, attention_prefill_variant=variant):
         cases = [
             dict(L=2, T=2, nq=2, nkv=1, d=64, layout="contiguous"),
