@@ -521,8 +521,8 @@ class CudaBackend(Backend):
             _need_attention(q, k_pages, v_pages, page_table, positions, out)
             qt = TC_ROWS // (nq // nkv)  # query tokens per block
             smem = 0
-            if variant == "wgmma":  # two stages of K and V, [64 keys][d] halves each, and 1 KB to align the atoms
-                smem = 2 * 2 * WG_ATT_KEYS * d * 2 + 1024
+            if variant == "wgmma":  # two stages of K and V, [64 keys][d] halves each
+                smem = 2 * 2 * WG_ATT_KEYS * d * 2
                 name = f"attention_prefill_wg_d{d}"
                 if name not in self._att_smem_set:  # a function attribute: past 48 KB only on request
                     self._k[name].kernel.max_dynamic_shared_size_bytes = smem

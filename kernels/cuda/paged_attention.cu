@@ -599,8 +599,8 @@ attention_prefill_tc_d128(const f16_bits* q, const f16_bits* k_pages, const f16_
 //     fences the proxies after its copies land and before the block barrier that publishes the stage.
 // The precision contract as in the tc kernel: exact fp16 products summed in fp32, the scale on the fp32
 // score, the online softmax in fp32 (now over 64 keys a step), P = P_hi + P_lo, two fp16 numbers, two
-// products. 128 threads (one warpgroup), 2 x 2 x 64 D halves of dynamic shared memory and 1 KB for the
-// atoms' alignment; Q is staged through the second stage before its first use.
+// products. 128 threads (one warpgroup), 2 x 2 x 64 D halves of dynamic shared memory; Q is staged
+// through the second stage before its first use.
 #define WG_ATT_KEYS 64
 
 template <int D>
@@ -612,10 +612,9 @@ __device__ __forceinline__ void attention_prefill_wg(const f16_bits* __restrict_
     constexpr int CH = D / 8;                       // 16-byte chunks of a key's row
     constexpr int ATOM_COL = WG_ATT_KEYS * 128;     // bytes of one 64-dim atom column of a stage's K or V
     constexpr int TILE = (D / 64) * ATOM_COL;       // bytes of a stage's K (or V)
-    extern __shared__ unsigned char att_smem_raw[];
-    unsigned char* const smem = att_smem_raw + ((1024 - (smem_addr(att_smem_raw) & 1023)) & 1023);
-    auto k_tile = [&](int b) { return smem + b * 2 * TILE; };
-    auto v_tile = [&](int b) { return smem + b * 2 * TILE + TILE; };
+    extern __shared__ __align__(1024) unsigned char wg_smem[];  // the atoms' 1024-byte alignment (no static smem)
+    auto k_tile = [&](int b) { return wg_smem + b * 2 * TILE; };
+    auto v_tile = [&](int b) { return wg_smem + b * 2 * TILE + TILE; };
     // byte offset of (row, 16-byte chunk ch) in a [D / 64][64][128 B] swizzled tile (rows: keys, or Q's rows)
     auto swz = [](int row, int ch) { return (ch / 8) * ATOM_COL + row * 128 + (((ch % 8) ^ (row % 8)) << 4); };
 
@@ -686,10 +685,9 @@ __device__ __forceinline__ void attention_prefill_wg(const f16_bits* __restrict_
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // ... and are visible to wgmma's reads
         __syncthreads();     // ... and everyone's
 
-        // S = Q K^T for the step's 64 keys (a fresh accumulator: scale_d 0 on the first k step).
+        // S = Q K^T for the step's 64 keys: scale_d 0 on the first k step, so wgmma reads none of sc's
+        // values (they need no zeroing) and writes a fresh accumulator.
         float sc[32];
-#pragma unroll
-        for (int i = 0; i < 32; ++i) sc[i] = 0.0f;
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < KS; ++ks)
