@@ -10,9 +10,11 @@ name mutants that exist, each with its reason.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -205,6 +207,40 @@ def test_a_clean_run_pytest_refuses_names_pytests_reason_not_its_usage_line(tmp_
     assert "(exit 4: unrecognized arguments: --no-such-option)" in r.stderr, r.stderr
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH: the build screen compiles with it")
+def test_same_build_tells_the_originals_machine_code_from_a_change_and_a_broken_build():
+    """rmsnorm.cu (0.4 s a build): `j < RMS_HELD` -> `j <= RMS_HELD` in load_held_weight writes w[RMS_HELD],
+    past the thread-local array, and nvcc drops the pass (the same cubin); `+` -> `-` in its index changes
+    the loads; a pointer times an integer does not compile."""
+    from ladder.tools.same_build import same_build
+
+    same = _mutant("kernels/cuda/rmsnorm.cu", "load_held_weight", "<", "<=")
+    changed = _mutant("kernels/cuda/rmsnorm.cu", "load_held_weight", "+", "-")
+    broken = _mutant("kernels/cuda/rmsnorm.cu", "rmsnorm_f32_f16", "+", "*")
+    got = {r["signature"]: (r["verdict"], r["modules"]) for r in same_build([same, changed, broken], ROOT, 2,
+                                                                         shutil.which("nvcc"), log=lambda s: None)}
+    assert got == {same.signature: ("same", ["rmsnorm"]), changed.signature: ("different", ["rmsnorm"]),
+                   broken.signature: ("did_not_compile", ["rmsnorm"])}
+
+
+def test_a_header_mutant_touches_every_module_that_inlines_the_header():
+    from ladder.changes.sources import cuda_module
+    from ladder.tools.same_build import modules_of
+
+    loader = cuda_module("loader")
+    assert modules_of("kernels/cuda/rmsnorm.cu", loader) == ["rmsnorm"]
+    mma = modules_of("kernels/cuda/mma.cuh", loader)
+    assert {"paged_attention", "int4_sym_g128", "int4_asym_g128"} <= set(mma) and "rmsnorm" not in mma
+    assert set(modules_of("kernels/cuda/common.cuh", loader)) == set(loader.MODULES)
+
+
+def test_same_build_without_nvcc_is_one_line_and_exit_2(tmp_path):
+    env = {**child_env("cuda"), "PATH": str(Path(sys.executable).parent)}  # the interpreter, no nvcc
+    r = subprocess.run([sys.executable, "-m", "ladder", "mutate", "--backend", "cuda", "--same-build"], cwd=tmp_path,
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "nvcc" in r.stderr, r.stderr
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--rungs", "unit,typo"], "--rungs"),
     (["--files", "kernels/nowhere/*.py"], "--files"),
@@ -215,6 +251,7 @@ def test_a_clean_run_pytest_refuses_names_pytests_reason_not_its_usage_line(tmp_
     (["--sample", "3", "--seed", "tomorrow"], "--seed"),
     (["--within", "10"], "--within"),
     (["--within", "soon"], "--within"),
+    (["--same-build"], "--same-build"),  # on the numpy backend: nothing to compile
 ])
 def test_bad_mutate_arguments_are_one_line_and_exit_2(args, needle, tmp_path):
     r = subprocess.run([sys.executable, "-m", "ladder", "mutate", *args], cwd=tmp_path, capture_output=True, text=True,

@@ -3,6 +3,7 @@
     nanoqwen mutate [--backend numpy|cuda] [--files PATTERN,...] [--sample N] [--seed S]
                     [--rungs unit,layer,graph] [-n WORKERS] [--timeout SECONDS] [--report DIR]
                     [--baseline DIR] [--rerun DIR] [--resume DIR] [--list] [-- PYTEST ARGS]
+    nanoqwen mutate --backend cuda --same-build [--files PATTERN,...] [--sample N] [--seed S] [-n WORKERS]
 
 First each rung runs once on the unmutated tree (it must be green) and records the launch map
 (ladder/changes/launches.py): which kernel code each case launches. Then each mutant (ladder/tools/mutants.py: one
@@ -37,6 +38,9 @@ nightly and weekly jobs' gate. `--rerun DIR` runs only the survivors of an earli
 the check that a strengthened rung now kills them. `--resume DIR` runs the mutants an earlier report did
 not run (cut by its --within or --budget) on the same sources, with its files, rungs, seed and sample, and
 writes one report holding both runs' results: a sample larger than one job's time limit, in two jobs.
+`--same-build` (CUDA, no GPU: nvcc) runs no rung: it builds each chosen mutant and prints those whose every
+module compiles to the original's cubin byte for byte (ladder/tools/same_build.py), the same machine code,
+for a person to review into the equivalents list.
 """
 
 from __future__ import annotations
@@ -543,13 +547,19 @@ def _run(args) -> int:
             raise MutateArgumentError(f"--resume {args.resume}: the mutated sources changed since that run; "
                                       f"a resumed sample runs on the same sources")
         launches = map_from_report(args.launches, args.backend, rungs) if args.launches else None
+        if args.same_build and args.backend != "cuda":
+            raise MutateArgumentError(f"--same-build compiles CUDA mutants with nvcc; pass --backend cuda, "
+                                      f"not {args.backend}")
+        nvcc = shutil.which("nvcc") if args.same_build else None
+        if args.same_build and nvcc is None:
+            raise MutateArgumentError("--same-build compiles each mutant with nvcc, which is not on PATH")
         ok, why = backend_available(args.backend)
-        if not ok and not args.list:
+        if not ok and not (args.list or args.same_build):
             raise MutateArgumentError(f"--backend {args.backend}: cannot run here ({why})")
         from engine.outpath import check_output_folder
 
         out = Path(args.report or f"reports/mutate-{datetime.datetime.now():%Y%m%d-%H%M%S}").expanduser().resolve()
-        if not args.list:
+        if not (args.list or args.same_build):
             check_output_folder(out)
     except NanoqwenError as e:
         print(f"nanoqwen: error: {e}", file=sys.stderr)
@@ -573,6 +583,8 @@ def _run(args) -> int:
               f"{len(kept)} results kept", flush=True)
     else:
         chosen = sample(runnable, args.sample, args.seed)
+    if args.same_build:
+        return _same_build(chosen, len(files), args.workers, nvcc)
     if args.list:
         for m in chosen:
             print(m.describe())
@@ -648,6 +660,29 @@ def _take_resumed_options(args, resume: dict) -> None:
     args.seed, args.sample = meta["seed"], meta["sample"]
 
 
+def _same_build(chosen: list, n_files: int, workers: int, nvcc: str) -> int:
+    """--same-build: print the chosen mutants whose every module builds the original's cubin (ladder/tools/same_build.py)."""
+    from ladder.tools.same_build import COMPILE_TIMEOUT, same_build
+
+    print(f"nanoqwen mutate --same-build: {len(chosen)} mutants of {n_files} files, each module they touch built "
+          f"with {nvcc}, {workers} workers", flush=True)
+    t0 = time.perf_counter()
+    try:
+        results = same_build(chosen, ROOT, workers, nvcc, log=lambda s: print(s, flush=True))
+    except RuntimeError as e:
+        print(f"nanoqwen: error: {e}", file=sys.stderr)
+        return 2
+    counts = {v: sum(r["verdict"] == v for r in results) for v in ("same", "different", "did_not_compile", "slow")}
+    for r in results:
+        if r["verdict"] == "same":
+            print(f"same  {r['file']}:{r['line']} in {r['function']}: {r['original']!r} -> {r['replacement']!r}  "
+                  f"{r['signature']}")
+    print(f"{counts['same']} of {len(results)} build the original's cubins byte for byte ({counts['different']} differ, "
+          f"{counts['did_not_compile']} did not compile, {counts['slow']} past {COMPILE_TIMEOUT:.0f} s a module) in "
+          f"{time.perf_counter() - t0:.0f} s; write why for each before listing it in {EQUIVALENT_FILE.relative_to(ROOT)}")
+    return 0
+
+
 def _earlier_report(option: str, folder: str) -> dict:
     path = Path(folder) / "mutate.json"
     try:
@@ -696,6 +731,9 @@ def register(subparsers) -> None:
                    "seconds of its start: no mutant starts after 2/3 of them, one still running is cut at the end; "
                    "those are reported as not run and not scored (the nightly gives each sample the time it has left)")
     m.add_argument("--list", action="store_true", help="list the chosen mutants and stop")
+    m.add_argument("--same-build", action="store_true", help="with --backend cuda: compile each chosen mutant with "
+                   "nvcc (no GPU needed) and print those whose every module builds the original's cubin byte for "
+                   "byte, the same machine code, candidates for the reviewed equivalents; run no rung")
     m.add_argument("pytest_args", nargs="*", metavar="-- PYTEST ARGS", help="passed to every rung's pytest")
     m.set_defaults(func=_run)
 
