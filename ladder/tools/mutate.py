@@ -38,9 +38,9 @@ nightly and weekly jobs' gate. `--rerun DIR` runs only the survivors of an earli
 the check that a strengthened rung now kills them. `--resume DIR` runs the mutants an earlier report did
 not run (cut by its --within or --budget) on the same sources, with its files, rungs, seed and sample, and
 writes one report holding both runs' results: a sample larger than one job's time limit, in two jobs.
-`--same-build` (CUDA, no GPU: nvcc) runs no rung: it builds each chosen mutant and prints those whose every
-module compiles to the original's cubin byte for byte (ladder/tools/same_build.py), the same machine code,
-for a person to review into the equivalents list.
+`--same-build` (nvcc, no GPU) runs no rung: it builds each chosen mutant of a .cu or .cuh source and prints
+those whose every module compiles to the original's cubin byte for byte (ladder/tools/same_build.py), the
+same machine code, for a person to review into the equivalents list.
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ ROOT = Path(__file__).resolve().parents[2]  # the folder that holds the project'
 RUNGS = ("unit", "layer", "graph")
 DEFAULT_RUNGS = ",".join(RUNGS)
 EQUIVALENT_FILE = Path(__file__).resolve().parent / "equivalent_mutants.json"
+CUDA_SOURCES = (".cu", ".cuh")  # what --same-build compiles
 # What a worker's copy needs: the packages, the root conftest and the project file.
 TREE = ("engine", "kernels", "ladder", "reference", "fixtures", "bench", "conftest.py", "pyproject.toml")
 DEFAULT_FILES = {"numpy": ("kernels/numpy/*.py",), "cuda": ("kernels/cuda/*.cu", "kernels/cuda/*.cuh")}
@@ -547,9 +548,9 @@ def _run(args) -> int:
             raise MutateArgumentError(f"--resume {args.resume}: the mutated sources changed since that run; "
                                       f"a resumed sample runs on the same sources")
         launches = map_from_report(args.launches, args.backend, rungs) if args.launches else None
-        if args.same_build and args.backend != "cuda":
-            raise MutateArgumentError(f"--same-build compiles CUDA mutants with nvcc; pass --backend cuda, "
-                                      f"not {args.backend}")
+        if args.same_build and not any(f.endswith(CUDA_SOURCES) for f in files):
+            raise MutateArgumentError("--same-build compiles CUDA sources (.cu, .cuh) with nvcc, and the files chosen "
+                                      "hold none (--backend cuda, or --files kernels/cuda/...)")
         nvcc = shutil.which("nvcc") if args.same_build else None
         if args.same_build and nvcc is None:
             raise MutateArgumentError("--same-build compiles each mutant with nvcc, which is not on PATH")
@@ -584,7 +585,7 @@ def _run(args) -> int:
     else:
         chosen = sample(runnable, args.sample, args.seed)
     if args.same_build:
-        return _same_build(chosen, len(files), args.workers, nvcc)
+        return _same_build([m for m in chosen if m.file.endswith(CUDA_SOURCES)], len(files), args.workers, nvcc)
     if args.list:
         for m in chosen:
             print(m.describe())
@@ -731,9 +732,10 @@ def register(subparsers) -> None:
                    "seconds of its start: no mutant starts after 2/3 of them, one still running is cut at the end; "
                    "those are reported as not run and not scored (the nightly gives each sample the time it has left)")
     m.add_argument("--list", action="store_true", help="list the chosen mutants and stop")
-    m.add_argument("--same-build", action="store_true", help="with --backend cuda: compile each chosen mutant with "
-                   "nvcc (no GPU needed) and print those whose every module builds the original's cubin byte for "
-                   "byte, the same machine code, candidates for the reviewed equivalents; run no rung")
+    m.add_argument("--same-build", action="store_true", help="compile each chosen mutant of a CUDA source (with "
+                   "--backend cuda, or --files kernels/cuda/...) with nvcc, no GPU needed, and print those whose "
+                   "every module builds the original's cubin byte for byte, the same machine code, candidates for "
+                   "the reviewed equivalents; run no rung")
     m.add_argument("pytest_args", nargs="*", metavar="-- PYTEST ARGS", help="passed to every rung's pytest")
     m.set_defaults(func=_run)
 
