@@ -53,6 +53,17 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const void* smem)
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s));
 }
 
+// Two fp32 probabilities (p0, p1) as an mma A register in two parts whose sum keeps fp32's ~22 bits (the
+// precision contract's fp32 probabilities; fp16 alone keeps 11): hi = (p0, p1) rounded to fp16, p0 in the
+// low half, and lo = what that rounding lost, rounded to fp16 the same way. Two mmas, one per part, with
+// the same B, sum P B exactly in fp32 (the attention kernels' P V; paged_attention.cu).
+__device__ __forceinline__ void prob_parts(float p0, float p1, u32& hi, u32& lo) {
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(hi) : "f"(p1), "f"(p0));  // low half = p0
+    float r0, r1;
+    h2x2f(hi, r0, r1);
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(lo) : "f"(p1 - r1), "f"(p0 - r0));
+}
+
 // ---- Hopper (sm_90a): wgmma, mbarriers, register hand-over (int4_wgmma.cuh) ---------------------------
 //
 // wgmma.mma_async m64n128k16 (fp16 x fp16 -> fp32), issued by a whole warpgroup (4 consecutive warps, the

@@ -514,15 +514,9 @@ __device__ __forceinline__ void attention_prefill_tc(const f16_bits* __restrict_
             const float p2 = expf(sc[n][2] - nh), p3 = expf(sc[n][3] - nh);
             sl_ += p0 + p1;
             sh_ += p2 + p3;
-            u32 hl, hh;
-            asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(hl) : "f"(p1), "f"(p0));  // low half = p0
-            asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(hh) : "f"(p3), "f"(p2));
-            float r0, r1, r2, r3;
-            h2x2f(hl, r0, r1);
-            h2x2f(hh, r2, r3);
-            u32 ll, lh;
-            asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(ll) : "f"(p1 - r1), "f"(p0 - r0));
-            asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(lh) : "f"(p3 - r3), "f"(p2 - r2));
+            u32 hl, hh, ll, lh;  // row lo's and row hi's pairs, each as two fp16 parts (mma.cuh prob_parts)
+            prob_parts(p0, p1, hl, ll);
+            prob_parts(p2, p3, hh, lh);
             ph[2 * n] = hl;      // a0 (n = 0) / a2 (n = 1): row lo, keys 8n + 2c, +1
             ph[2 * n + 1] = hh;  // a1 / a3: row hi
             pl[2 * n] = ll;
@@ -732,15 +726,9 @@ __device__ __forceinline__ void attention_prefill_wg(const f16_bits* __restrict_
             const float p2 = expf(sc[4 * jb + 2] - nh), p3 = expf(sc[4 * jb + 3] - nh);
             sl_ += p0 + p1;
             sh_ += p2 + p3;
-            u32 hl, hh;
-            asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(hl) : "f"(p1), "f"(p0));  // low half = p0
-            asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(hh) : "f"(p3), "f"(p2));
-            float r0, r1, r2, r3;
-            h2x2f(hl, r0, r1);
-            h2x2f(hh, r2, r3);
-            u32 ll, lh;
-            asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(ll) : "f"(p1 - r1), "f"(p0 - r0));
-            asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(lh) : "f"(p3 - r3), "f"(p2 - r2));
+            u32 hl, hh, ll, lh;  // row lo's and row hi's pairs, each as two fp16 parts (mma.cuh prob_parts)
+            prob_parts(p0, p1, hl, ll);
+            prob_parts(p2, p3, hh, lh);
             // A fragment of k step jb / 2: a0 / a1 (row lo / hi) keys 2c, +1 of its first 8; a2 / a3 the next 8
             ph[jb / 2][2 * (jb % 2)] = hl;
             ph[jb / 2][2 * (jb % 2) + 1] = hh;
@@ -992,10 +980,7 @@ __device__ __forceinline__ void attention_tc_pages(const f16_bits* __restrict__ 
         u32 ph[2], pl[2];  // a0 (slots 2c, 2c + 1) and a2 (slots 8 + 2c, 9 + 2c), hi and lo parts
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(ph[h]) : "f"(pr[2 * h + 1]), "f"(pr[2 * h]));  // low half = slot 2c
-            float r0, r1;
-            h2x2f(ph[h], r0, r1);
-            asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(pl[h]) : "f"(pr[2 * h + 1] - r1), "f"(pr[2 * h] - r0));
+            prob_parts(pr[2 * h], pr[2 * h + 1], ph[h], pl[h]);  // low half = slot 2c (mma.cuh)
         }
 #pragma unroll
         for (int tp = 0; tp < NP; ++tp) {
