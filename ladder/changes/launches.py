@@ -245,9 +245,9 @@ def cuda_entries_reaching(filename: str, function: str, folder: Path) -> set[str
     A module holds a header when the loader inlines it. A function a macro names, or code outside any
     function ("<file>"), widens to every entry point of the modules that hold the file."""
     found = set()
-    for module, (text, entries, calls, macros) in _cuda_modules(str(folder), _stamp(folder)).items():
-        if filename != f"{module}.cu" and f"---- {filename} (inlined" not in text:
-            continue
+    modules = _cuda_modules(str(folder), _stamp(folder))
+    for module in cuda_modules_holding(filename, folder):
+        _, entries, calls, macros = modules[module]
         if function == "<file>" or function in macros:
             found.update(entries)
             continue
@@ -261,6 +261,13 @@ def cuda_entries_reaching(filename: str, function: str, folder: Path) -> set[str
             if function in seen:
                 found.add(entry)
     return found
+
+
+def cuda_modules_holding(filename: str, folder: Path) -> list[str]:
+    """The modules of `folder` (a kernels/cuda) whose source, as NVRTC gets it, holds `filename`: a `.cu` its
+    own module, a header every module the loader inlines it into."""
+    return [module for module, (text, *_) in _cuda_modules(str(folder), _stamp(folder)).items()
+            if filename == f"{module}.cu" or f"---- {filename} (inlined" in text]
 
 
 def _stamp(folder: Path) -> tuple:

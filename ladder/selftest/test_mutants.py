@@ -224,14 +224,14 @@ def test_same_build_tells_the_originals_machine_code_from_a_change_and_a_broken_
 
 
 def test_a_header_mutant_touches_every_module_that_inlines_the_header():
+    from ladder.changes.launches import cuda_modules_holding
     from ladder.changes.sources import cuda_module
-    from ladder.tools.same_build import modules_of
 
-    loader = cuda_module("loader")
-    assert modules_of("kernels/cuda/rmsnorm.cu", loader) == ["rmsnorm"]
-    mma = modules_of("kernels/cuda/mma.cuh", loader)
+    loader, folder = cuda_module("loader"), ROOT / "kernels" / "cuda"
+    assert cuda_modules_holding("rmsnorm.cu", folder) == ["rmsnorm"]
+    mma = cuda_modules_holding("mma.cuh", folder)
     assert {"paged_attention", "int4_sym_g128", "int4_asym_g128"} <= set(mma) and "rmsnorm" not in mma
-    assert set(modules_of("kernels/cuda/common.cuh", loader)) == set(loader.MODULES)
+    assert set(cuda_modules_holding("common.cuh", folder)) == set(loader.MODULES)
 
 
 def test_same_build_without_nvcc_is_one_line_and_exit_2(tmp_path):

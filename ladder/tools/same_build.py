@@ -26,20 +26,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from ladder.changes.launches import cuda_modules_holding
 from ladder.changes.sources import cuda_module
 from ladder.tools.mutants import Mutant
 
 COMPILE_TIMEOUT = 120.0  # seconds for one module of one mutant
 _COPIED = shutil.ignore_patterns("__pycache__", "*.pyc")
-
-
-def modules_of(rel: str, loader) -> list[str]:
-    """The modules a mutant of `rel` (a kernels/cuda file) touches: a `.cu` its own, a `.cuh` every module
-    whose inlined source holds it (the loader marks each header it inlines)."""
-    name = Path(rel).name
-    if name.endswith(".cu"):
-        return [Path(rel).stem]
-    return [m for m in loader.MODULES if f"// ---- {name} (inlined" in loader.source(m)]
 
 
 def _cubin_digest(folder: Path, module: str, loader, nvcc: str) -> str:
@@ -73,8 +65,7 @@ def same_build(mutants: list[Mutant], root: Path, workers: int, nvcc: str, log=p
     with tempfile.TemporaryDirectory(prefix="nanoqwen-same-build-") as tmp:
         original = Path(tmp) / "original"
         shutil.copytree(source, original, ignore=_COPIED)
-        loader = cuda_module("loader", original)
-        touched = {rel: modules_of(rel, loader) for rel in sorted({m.file for m in mutants})}
+        touched = {rel: cuda_modules_holding(Path(rel).name, original) for rel in sorted({m.file for m in mutants})}
         needed = sorted({mod for mods in touched.values() for mod in mods})
         with ThreadPoolExecutor(workers) as pool:  # the original's modules side by side
             base = dict(zip(needed, pool.map(lambda mod: _build(original, [mod], nvcc)[mod], needed)))
