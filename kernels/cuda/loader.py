@@ -36,7 +36,8 @@ MODULES = tuple(sorted(p.stem for p in HERE.glob("*.cu")))
 OPTIONS = ("-std=c++17", "--gpu-architecture=sm_90a")
 _INCLUDE = re.compile(r'^[ \t]*#include[ \t]+"([\w.]+\.cuh)"[ \t]*$', re.M)
 _PRAGMA_ONCE = re.compile(r"^[ \t]*#pragma[ \t]+once[ \t]*$", re.M)
-_ENTRY = re.compile(r'extern "C" __global__ void(?:\s+__launch_bounds__\([^)]*\))?\s+(\w+)\s*\(')
+# an entry point's name, after its attributes (`__launch_bounds__(N)`, `__cluster_dims__(X, Y, Z)`)
+_ENTRY = re.compile(r'extern "C" __global__ void(?:\s+__\w+__\([^)]*\))*\s+(\w+)\s*\(')
 
 _CACHE: dict = {}  # kernel name -> Entry
 

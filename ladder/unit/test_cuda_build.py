@@ -168,10 +168,11 @@ def _every_unbounded_entry_point_fits_any_block(module: str, ptx: Path, arch: st
             used[entry], entry = int(m.group(1)), None
     src = LOADER.source(module)
     for name in LOADER.entry_points(module):
-        definition = re.search(rf'extern "C"\s+__global__\s+void\s+(__launch_bounds__\([^)]*\)\s+)?{name}\s*\(', src)
+        # its attributes (`__launch_bounds__(N)`, `__cluster_dims__(X, Y, Z)`) between `void` and the name
+        definition = re.search(rf'extern "C"\s+__global__\s+void\s+((?:__\w+__\([^)]*\)\s+)*){name}\s*\(', src)
         assert definition, f"{module}.cu: the definition of {name} not found"
         assert name in used, f"ptxas reported no registers for {name} ({module}.cu)"
-        if definition.group(1) is None:
+        if "__launch_bounds__" not in definition.group(1):
             assert used[name] * MAX_BLOCK <= REGISTER_FILE, (
                 f"{module}.cu: {name} uses {used[name]} registers a thread and declares no __launch_bounds__: "
                 f"a block of {MAX_BLOCK} threads would not launch; declare the block it is launched with")
@@ -199,7 +200,8 @@ def test_cpu_path_does_not_import_cupy():
 # every kernel a decode step launches, besides the GEMVs (kernels/cuda/__init__.py, engine/cuda_graph.py)
 DECODE_STEP_KERNELS = ("embed_f16_f32", "rmsnorm_f32_f16", "rope_kv_write_f16", "paged_attention_f16",
                        "paged_attention_warp_d64", "paged_attention_warp_d128", "paged_attention_tc_d64",
-                       "paged_attention_tc_d128", "attention_combine_f16", "lm_head_f16_f32", "argmax_partial_f32",
+                       "paged_attention_tc_d128", "paged_attention_tc_fold_d64", "paged_attention_tc_fold_d128",
+                       "paged_attention_tc_cluster_d64", "paged_attention_tc_cluster_d128", "attention_combine_f16", "lm_head_f16_f32", "argmax_partial_f32",
                        "argmax_f32_i32", "decode_advance_i32")
 
 
@@ -215,7 +217,7 @@ def test_every_kernel_of_a_decode_step_waits_for_its_predecessor():
 
 def test_only_a_kernel_that_calls_pdl_wait_is_launched_early():
     """Through a chain of device functions it counts; in a comment, or in a function the kernel does not
-    call, it does not."""
+    call, it does not. An entry point's name is read past its attributes (bounds, cluster dimensions)."""
     src = """
     __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
     template <int N> __device__ __forceinline__ void inner(float* y) { pdl_wait(); y[0] = N; }
@@ -227,5 +229,6 @@ def test_only_a_kernel_that_calls_pdl_wait_is_launched_early():
         plain(y);
     }
     extern "C" __global__ void never(float* y) { plain(y); }
+    extern "C" __global__ void __launch_bounds__(64) __cluster_dims__(1, 1, 2) clustered(float* y) { outer(y); }
     """
-    assert LOADER.waiting_in(src) == {"through_a_chain", "directly"}
+    assert LOADER.waiting_in(src) == {"through_a_chain", "directly", "clustered"}

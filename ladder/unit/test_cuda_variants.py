@@ -16,18 +16,21 @@
   its consumer warpgroups' 64 rows, weight tiles past a group of its launch order, and spread over fewer
   blocks than tiles (tiles cut between two blocks; bit for bit one block a tile, and at the 7B qkv shape).
 - The Qwen2.5-Coder-7B shapes of the four ops (decode and a 64-token prefill); every prefill attention
-  kernel (tensor cores, warp, block) at its tile and page edges; every decode attention kernel (the
-  tensor-core one, the warp-per-page one and paged_attention_f16) with fixed and dynamic split sizes (one
-  page per split: splits past the length are empty; more used pages than splits; a page table far longer
-  than the keys; more splits than the combine kernel has threads) and on every page edge, decode and
-  prefill; head layouts the tensor-core and warp kernels do not hold going to paged_attention_f16 (a
-  head_dim of 256: the combine's second pass over the columns); rmsnorm reading rows of a larger buffer, and on
-  both sides of the row length it holds in registers (RMS_HELD elements a thread; longer rows take its
-  loop), for the decode step's one row and a prefill's rows; the residual ops fused with the rmsnorm
-  after them on the prefill path, on both sides of that row length, bit for bit as their two ops, and
-  run as their one kernel under the rungs' call counter; RoPE and the KV write on prefills long enough
-  that a token gets fewer blocks; the captured decode graph following a wrapped op and its
-  unwrapping, kept across turning it off and on, and captured again for a changed backend setting.
+  kernel (wgmma, tensor cores, warp, block) at its tile and page edges; every decode attention kernel (the
+  tensor-core one; the same with its splits merged by the last of them, or by its thread block cluster;
+  the warp-per-page one; paged_attention_f16) with fixed and dynamic split sizes (one page per split:
+  splits past the length are empty; more used pages than splits; a page table far longer than the keys;
+  more splits than the combine kernel has threads) and on every page edge, decode and prefill; the two
+  merges inside the kernel on, at and past their edges (the fold's most splits, the cluster's most pages),
+  launched three times in a row, and against each other bit for bit; head layouts the tensor-core and
+  warp kernels do not hold going to paged_attention_f16 (a head_dim of 256: the combine's second pass over
+  the columns); rmsnorm reading rows of a larger buffer, and on both sides of the row length it holds in
+  registers (RMS_HELD elements a thread; longer rows take its loop), for the decode step's one row and a
+  prefill's rows; the residual ops fused with the rmsnorm after them on the prefill path, on both sides of
+  that row length, bit for bit as their two ops, and run as their one kernel under the rungs' call
+  counter; RoPE and the KV write on prefills long enough that a token gets fewer blocks; the captured
+  decode graph following a wrapped op and its unwrapping, kept across turning it off and on, and captured
+  again for a changed backend setting.
 
 The comparisons are the unit rung's op checks (ladder/checks/ops.py): `check_*` against `reference.ops`
 with TOL.
@@ -329,7 +332,8 @@ def test_full_size_linears_match_reference(backend, quant_format, op, T):
                   weights=_full_size_weights(backend, quant_format, op, in_f, rows))
 
 
-ATTENTION_VARIANTS = ("tc", "warp", "block")  # kernels/cuda/__init__.py ATTENTION_VARIANTS
+ATTENTION_VARIANTS = ("tc", "tc_fold", "tc_cluster", "warp", "block")  # kernels/cuda/__init__.py ATTENTION_VARIANTS
+ATTENTION_PREFILL_VARIANTS = ("wgmma", "tc", "warp", "block")  # and its ATTENTION_PREFILL_VARIANTS
 
 
 @contextlib.contextmanager
@@ -465,18 +469,98 @@ def test_attention_decode_with_more_splits_than_the_combine_has_threads(backend,
                         PagedCase.build(seed=L, L=L, T=1, nq=2, nkv=1, d=64, layout="shuffled"))
 
 
+FOLD_MAX_SPLITS = COMBINE["FOLD_MAX_SPLITS"]  # paged_attention_tc_fold_d<D>: the most splits its last block merges
+
+
+@pytest.mark.parametrize("splits", (2, FOLD_MAX_SPLITS, FOLD_MAX_SPLITS + 1))
+def test_the_fold_merges_up_to_its_most_splits_in_the_last_block_and_hands_more_to_the_combine(backend, splits):
+    """attention_variant "tc_fold" at one page a split (the last page part full): 2 and FOLD_MAX_SPLITS splits
+    are merged by the last block of each KV head to finish, with no attention_combine_f16 launch;
+    FOLD_MAX_SPLITS + 1 take the plain tensor-core kernel and the combine. Each case three times in a row,
+    right each time and with the same bits: the count each launch leaves must be 0 for the next, and the
+    merge's order must not depend on which block came last. The 7B head layout and 8 heads of 64."""
+    with _backend_setting(backend, pages_per_split=1, attention_variant="tc_fold"):
+        for nkv, ratio, d in ((4, 7, 128), (2, 8, 64)):
+            L = 16 * splits - 5
+            case = PagedCase.build(seed=L + d, L=L, T=1, nq=nkv * ratio, nkv=nkv, d=d, layout="shuffled")
+            assert len(case.page_table) == splits, case  # one page a split
+            _merged_by_the_kernel_itself(backend, case, f"paged_attention_tc_fold_d{d}", splits <= FOLD_MAX_SPLITS)
+
+
+def _merged_by_the_kernel_itself(backend, case, kernel: str, merges: bool):
+    """The decode of `case` three times in a row, each checked against the reference and with the first's
+    bits; `kernel` and no attention_combine_f16 launched where it `merges`, the combine and not `kernel`
+    elsewhere. Returns the output."""
+    from kernels.base import launch_observer, observe_launches
+
+    onward = launch_observer()
+    tee = _LaunchTee(onward)
+    observe_launches(tee)
+    try:
+        outs = [check_attention(backend, "attention_decode", case)[0] for _ in range(3)]
+    finally:
+        observe_launches(onward)
+    launched = {u.split("::")[-1] for u in tee}
+    assert (kernel in launched) == merges, f"{case}: launched {sorted(launched)}"
+    assert ("attention_combine_f16" in launched) != merges, f"{case}: launched {sorted(launched)}"
+    for again in outs[1:]:
+        assert np.array_equal(again.view(np.uint16), outs[0].view(np.uint16)), (
+            f"{case}: a second launch of the same decode gave other bits")
+    return outs[0]
+
+
+CLUSTER_SPLITS = COMBINE["CLUSTER_SPLITS"]  # paged_attention_tc_cluster_d<D>: its splits, one cluster
+CLUSTER_MAX_PAGES = CLUSTER_SPLITS * COMBINE["ATT_WARPS"] * 2  # kernels/cuda/__init__.py: two pages a warp
+
+
+@pytest.mark.parametrize("pages", (1, CLUSTER_MAX_PAGES, CLUSTER_MAX_PAGES + 1))
+def test_the_cluster_merges_its_splits_up_to_two_pages_a_warp_and_hands_longer_tables_to_the_combine(backend, pages):
+    """attention_variant "tc_cluster", the dynamic spread: a page table of one page (seven of the cluster's
+    eight splits empty) and of CLUSTER_MAX_PAGES (two pages on every warp) run the cluster kernel, whose
+    blocks merge the splits after one cluster barrier; one page more takes the plain kernel and the combine.
+    Three launches in a row, right and with the same bits each time. The 7B head layout and 8 heads of 64."""
+    with _backend_setting(backend, pages_per_split=None, attention_variant="tc_cluster"):
+        for nkv, ratio, d in ((4, 7, 128), (2, 8, 64)):
+            L = 16 * pages - 3
+            case = PagedCase.build(seed=L + d, L=L, T=1, nq=nkv * ratio, nkv=nkv, d=d, layout="shuffled")
+            assert len(case.page_table) == pages, case
+            _merged_by_the_kernel_itself(backend, case, f"paged_attention_tc_cluster_d{d}", pages <= CLUSTER_MAX_PAGES)
+
+
+def test_the_fold_and_the_cluster_merge_the_same_splits_to_the_same_bits(backend):
+    """Both merge in one order (the max over the splits that hold keys, the weights, then the sums in split
+    order): over the same CLUSTER_SPLITS spans their outputs are equal bit for bit. The 7B head layout, 600
+    keys (38 pages, 5 a split: the fold's dynamic spread held to that many splits by att_blocks), and 40 keys
+    in a page table of CLUSTER_SPLITS pages (3 used: one a split, the last five splits empty; the fold at one
+    page a split)."""
+    long = PagedCase.build(seed=600, L=600, T=1, nq=28, nkv=4, d=128, layout="shuffled")
+    short = PagedCase.build(seed=40, L=40, T=1, nq=28, nkv=4, d=128, layout="shuffled")
+    short = dataclasses.replace(short, page_table=np.concatenate(
+        [short.page_table, np.full(CLUSTER_SPLITS - len(short.page_table), -1, np.int32)]))
+    for case, fold in ((long, {"pages_per_split": None, "att_blocks": 4 * CLUSTER_SPLITS}),
+                       (short, {"pages_per_split": 1})):
+        with _backend_setting(backend, attention_variant="tc_fold", **fold):
+            folded = _merged_by_the_kernel_itself(backend, case, "paged_attention_tc_fold_d128", True)
+        with _backend_setting(backend, pages_per_split=None, attention_variant="tc_cluster"):
+            clustered = _merged_by_the_kernel_itself(backend, case, "paged_attention_tc_cluster_d128", True)
+        assert np.array_equal(folded.view(np.uint16), clustered.view(np.uint16)), (
+            f"{case}: the fold and the cluster merged the same splits to different bits")
+
+
 @pytest.mark.parametrize("variant", ATTENTION_VARIANTS)
 @pytest.mark.parametrize("L", PAGE_BOUNDARY_LENGTHS)
 def test_attention_variant_at_every_page_edge(backend, variant, L):
     """Each kernel, decode and a 5-token prefill chunk, on every page edge: a page that holds 1, 15 or
-    16 valid slots, on one warp or several."""
-    with _backend_setting(backend, attention_variant=variant, attention_prefill_variant=variant):
+    16 valid slots, on one warp or several. The fold merges a decode's splits; a prefill has one split a
+    block, so its case is the decode's alone."""
+    prefill = variant in ATTENTION_PREFILL_VARIANTS
+    with _backend_setting(backend, attention_variant=variant, **({"attention_prefill_variant": variant} if prefill else {})):
         for nkv, ratio, d in ((2, 2, 64), (4, 7, 128)):
             check_attention(backend, "attention_decode",
                              PagedCase.build(seed=L, L=L, T=1, nq=nkv * ratio, nkv=nkv, d=d, layout="shuffled"))
-            T = min(5, L)
-            check_attention(backend, "attention_prefill",
-                             PagedCase.build(seed=L + 1, L=L, T=T, nq=nkv * ratio, nkv=nkv, d=d, layout="sparse"))
+            if prefill:
+                check_attention(backend, "attention_prefill",
+                                PagedCase.build(seed=L + 1, L=L, T=min(5, L), nq=nkv * ratio, nkv=nkv, d=d, layout="sparse"))
 
 
 @pytest.mark.parametrize("variant", ATTENTION_VARIANTS)
@@ -492,7 +576,7 @@ def test_attention_decode_splits_past_the_length_weigh_nothing(backend, variant,
             check_attention(backend, "attention_decode", dataclasses.replace(case, page_table=table))
 
 
-@pytest.mark.parametrize("variant", ("wgmma", "tc", "warp", "block"))  # kernels/cuda ATTENTION_PREFILL_VARIANTS
+@pytest.mark.parametrize("variant", ATTENTION_PREFILL_VARIANTS)
 def test_attention_prefill_kernels_are_causal_at_every_tile_and_page_edge(backend, variant):
     """Each prefill kernel on prompts that end on, before and past its tiles (the tensor-core kernels'
     qt = 64 / group tokens) and pages, chunks after a cached prefix, head groups that do not divide 64
@@ -522,7 +606,7 @@ def test_attention_prefill_kernels_are_causal_at_every_tile_and_page_edge(backen
             check_attention(backend, "attention_prefill", PagedCase.build(seed=100 + i, **kw))
 
 
-@pytest.mark.parametrize("variant", ("tc", "warp"))
+@pytest.mark.parametrize("variant", ("tc", "tc_fold", "tc_cluster", "warp"))
 @pytest.mark.parametrize("nq, nkv, d", [(18, 2, 64), (4, 2, 96), (2, 1, 32), (4, 2, 36), (2, 1, 256)])
 def test_attention_layouts_the_warp_kernel_does_not_hold_take_the_block_kernel(backend, variant, nq, nkv, d):
     """9 query heads per KV head, or a head_dim other than 64 and 128: the registers of the tensor-core and
@@ -637,3 +721,29 @@ def test_a_kept_decode_graph_replays_after_off_and_on_and_is_captured_again_for_
         finally:
             table["qkv_proj"] = shipped
         assert np.array_equal(step(graph=True), base) and kept.captures == captures + 2
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("variant", ATTENTION_VARIANTS)
+def test_the_captured_decode_step_replays_each_attention_variant_with_eager_bits(backend, model_path, variant):
+    """Each decode-attention variant inside the captured step, where its kernel is launched with
+    programmatic dependent launch (eager launches never are), and replayed: the fold's counts must be 0
+    again at each replay and the cluster's barrier must hold under the overlap. A cache of 512 tokens (32
+    pages: 8 splits a KV head, merged by the fold's last block or the cluster), three decode steps: the graph's
+    logits are the eager steps' bit for bit."""
+    if not backend.supports_graphs:
+        pytest.skip("the backend does not capture graphs")
+    prompt = list(range(3, 40))
+    with _backend_setting(backend, attention_variant=variant), \
+            engine.load(model_path, backend=backend, cache_tokens=512) as model:
+        def steps(graph: bool) -> list[np.ndarray]:
+            model.enable_cuda_graph(graph)
+            seq = model.new_sequence()
+            model.prefill(seq, prompt)
+            logits = [model.decode_step(seq, token).view(np.uint32).copy() for token in (7, 8, 9)]
+            seq.free()
+            return logits
+
+        eager, graphed = steps(graph=False), steps(graph=True)
+        for i, (a, b) in enumerate(zip(eager, graphed)):
+            assert np.array_equal(a, b), f"attention_variant {variant!r}: decode step {i} replayed other logits than eager"
