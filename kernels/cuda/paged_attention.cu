@@ -395,6 +395,44 @@ paged_attention_warp_d128(const f16_bits* q, const f16_bits* k_pages, const f16_
 // the tile of tokens from (gridDim.y - 1 - y) qt (below).
 #define TC_ROWS 64
 
+// Pieces both prefill kernels (attention_prefill_tc, attention_prefill_wg) share: the same tile, rows and
+// fragment layout of O.
+// The tile's keys: 1 + the largest position of its tokens t0 .. t0 + qt - 1 below T (positions need not be
+// sorted), a warp's max (every lane gets it).
+__device__ __forceinline__ int prefill_tile_keys(const int* __restrict__ positions, int t0, int qt, int T, int lane) {
+    int mx = 0;
+    for (int i = lane; i < qt; i += WARP)
+        if (t0 + i < T) mx = imax(mx, positions[t0 + i]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = imax(mx, __shfl_xor_sync(FULL_MASK, mx, o));
+    return mx + 1;
+}
+// Row r's position: its token's, or, for a row past the tile (never stored), the tile's first token's.
+__device__ __forceinline__ int prefill_row_position(const int* __restrict__ positions, int t0, int r, int group,
+                                                    int rows_used, int T) {
+    const int tok = t0 + r / group;
+    return r < rows_used && tok < T ? positions[tok] : positions[t0];
+}
+// out[token, head, dims 8 n + 2 c, +1] for a lane's two rows rlo and rhi = rlo + 8 (C fragment rows r and
+// r + 8): o[4 n + e] holds n-tile n's element e (e < 2 row lo, e >= 2 row hi), each row divided by its l.
+template <int D>
+__device__ __forceinline__ void prefill_store_rows(f16_bits* __restrict__ out, const float* o, int rlo, int rhi, int c,
+                                                   int t0, int group, int rows_used, int T, int nq, int kvh, float l_lo,
+                                                   float l_hi) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = h ? rhi : rlo, tok = t0 + r / group;
+        if (r >= rows_used || tok >= T) continue;
+        const float inv_l = 1.0f / (h ? l_hi : l_lo);
+        f16_bits* dst = out + ((size_t)tok * nq + kvh * group + r % group) * D + 2 * c;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            dst[n * 8] = f2h(o[4 * n + 2 * h] * inv_l);
+            dst[n * 8 + 1] = f2h(o[4 * n + 2 * h + 1] * inv_l);
+        }
+    }
+}
+
 template <int D>
 __device__ __forceinline__ void attention_prefill_tc(const f16_bits* __restrict__ q, const f16_bits* __restrict__ k_pages,
                                                      const f16_bits* __restrict__ v_pages, const int* __restrict__ page_table,
@@ -416,14 +454,10 @@ __device__ __forceinline__ void attention_prefill_tc(const f16_bits* __restrict_
     const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP;
     const int rows_used = qt * group;
 
-    // The tile's keys: 1 + the largest position of its tokens (positions need not be sorted).
+    // The tile's keys (prefill_tile_keys), from warp 0 through shared memory.
     if (warp == 0) {
-        int mx = 0;
-        for (int i = lane; i < qt; i += WARP)
-            if (t0 + i < T) mx = imax(mx, positions[t0 + i]);
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) mx = imax(mx, __shfl_xor_sync(FULL_MASK, mx, o));
-        if (lane == 0) tile_keys = mx + 1;
+        const int keys = prefill_tile_keys(positions, t0, qt, T, lane);
+        if (lane == 0) tile_keys = keys;
     }
     // Q rows -> shared (zero for rows past the tile).
     for (int i = tid; i < TC_ROWS * CH; i += 4 * WARP) {
@@ -451,11 +485,8 @@ __device__ __forceinline__ void attention_prefill_tc(const f16_bits* __restrict_
 
     // This lane's two rows (C fragment rows r and r + 8 of the warp's 16) and their positions.
     const int rlo = warp * 16 + lane / 4, rhi = rlo + 8, c = lane % 4;
-    auto row_pos = [&](int r) {
-        const int tok = t0 + r / group;
-        return r < rows_used && tok < T ? positions[tok] : positions[t0];
-    };
-    const int plo = row_pos(rlo), phi = row_pos(rhi);
+    const int plo = prefill_row_position(positions, t0, rlo, group, rows_used, T);
+    const int phi = prefill_row_position(positions, t0, rhi, group, rows_used, T);
 
     cp_async_wait<1>();  // Q has landed (page 0 may still fly)
     __syncthreads();
@@ -550,19 +581,7 @@ __device__ __forceinline__ void attention_prefill_tc(const f16_bits* __restrict_
     }
     cp_async_wait<0>();
 
-    // out[token, head, dims 8n + 2c, +1] for this lane's two rows.
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int r = h ? rhi : rlo, tok = t0 + r / group;
-        if (r >= rows_used || tok >= T) continue;
-        const float inv_l = 1.0f / (h ? l_hi : l_lo);
-        f16_bits* dst = out + ((size_t)tok * nq + kvh * group + r % group) * D + 2 * c;
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-            dst[n * 8] = f2h(o[n][2 * h] * inv_l);
-            dst[n * 8 + 1] = f2h(o[n][2 * h + 1] * inv_l);
-        }
-    }
+    prefill_store_rows<D>(out, &o[0][0], rlo, rhi, c, t0, group, rows_used, T, nq, kvh, l_lo, l_hi);
 }
 
 extern "C" __global__ void __launch_bounds__(4 * WARP)
@@ -617,13 +636,8 @@ __device__ __forceinline__ void attention_prefill_wg(const f16_bits* __restrict_
     const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP;
     const int rows_used = qt * group;
 
-    // The tile's keys, 1 + the largest position of its tokens, computed by every warp (no shared word).
-    int mx = 0;
-    for (int i = lane; i < qt; i += WARP)
-        if (t0 + i < T) mx = imax(mx, positions[t0 + i]);
-#pragma unroll
-    for (int o2 = 16; o2 > 0; o2 >>= 1) mx = imax(mx, __shfl_xor_sync(FULL_MASK, mx, o2));
-    const int n_keys = mx + 1;
+    // The tile's keys (prefill_tile_keys), computed by every warp (no shared word).
+    const int n_keys = prefill_tile_keys(positions, t0, qt, T, lane);
     const int steps = (imin(n_keys, max_pages * PAGE) + WG_ATT_KEYS - 1) / WG_ATT_KEYS;
 
     // Q rows -> stage 1's K tile (zero for rows past the tile), read into registers before stage 1 is loaded.
@@ -651,11 +665,8 @@ __device__ __forceinline__ void attention_prefill_wg(const f16_bits* __restrict_
     cp_async_commit();
 
     const int rlo = warp * 16 + lane / 4, rhi = rlo + 8, c = lane % 4;
-    auto row_pos = [&](int r) {
-        const int tok = t0 + r / group;
-        return r < rows_used && tok < T ? positions[tok] : positions[t0];
-    };
-    const int plo = row_pos(rlo), phi = row_pos(rhi), pmin = imin(plo, phi);
+    const int plo = prefill_row_position(positions, t0, rlo, group, rows_used, T);
+    const int phi = prefill_row_position(positions, t0, rhi, group, rows_used, T), pmin = imin(plo, phi);
 
     cp_async_wait<1>();  // Q has landed (step 0 may still fly); ldmatrix reads it through the generic proxy
     __syncthreads();
@@ -766,19 +777,7 @@ __device__ __forceinline__ void attention_prefill_wg(const f16_bits* __restrict_
     }
     cp_async_wait<0>();
 
-    // out[token, head, dims 8 n + 2 c, +1] for this lane's two rows (o[4 n + e] as the tc kernel's o[n][e]).
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int r = h ? rhi : rlo, tok = t0 + r / group;
-        if (r >= rows_used || tok >= T) continue;
-        const float inv_l = 1.0f / (h ? l_hi : l_lo);
-        f16_bits* dst = out + ((size_t)tok * nq + kvh * group + r % group) * D + 2 * c;
-#pragma unroll
-        for (int n = 0; n < D / 8; ++n) {
-            dst[n * 8] = f2h(o[4 * n + 2 * h] * inv_l);
-            dst[n * 8 + 1] = f2h(o[4 * n + 2 * h + 1] * inv_l);
-        }
-    }
+    prefill_store_rows<D>(out, o, rlo, rhi, c, t0, group, rows_used, T, nq, kvh, l_lo, l_hi);
 }
 
 extern "C" __global__ void __launch_bounds__(4 * WARP)
