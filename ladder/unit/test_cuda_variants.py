@@ -551,8 +551,9 @@ def test_the_fold_and_the_cluster_merge_the_same_splits_to_the_same_bits(backend
 @pytest.mark.parametrize("L", PAGE_BOUNDARY_LENGTHS)
 def test_attention_variant_at_every_page_edge(backend, variant, L):
     """Each kernel, decode and a 5-token prefill chunk, on every page edge: a page that holds 1, 15 or
-    16 valid slots, on one warp or several. The fold merges a decode's splits; a prefill has one split a
-    block, so its case is the decode's alone."""
+    16 valid slots, on one warp or several. The variants that merge a decode's splits inside the kernel
+    (tc_fold, tc_cluster) are not prefill variants (a prefill has one split a block): theirs is the decode
+    case alone."""
     prefill = variant in ATTENTION_PREFILL_VARIANTS
     with _backend_setting(backend, attention_variant=variant, **({"attention_prefill_variant": variant} if prefill else {})):
         for nkv, ratio, d in ((2, 2, 64), (4, 7, 128)):
