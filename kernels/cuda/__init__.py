@@ -39,7 +39,6 @@ import importlib
 import math
 import os
 import re
-from typing import NamedTuple
 
 import numpy as np
 
@@ -51,6 +50,8 @@ except ImportError as e:  # re-raised by get_backend as BackendUnavailableError
     raise ImportError(f"CuPy is not importable: {e}") from e
 
 from kernels.cuda import catalog, loader
+# the decode attention's kernels and launch plan live in catalog.py (read there without CuPy, and tested so)
+from kernels.cuda.catalog import ATT_WARP_HEAD_DIMS, ATTENTION_VARIANTS, COMBINE_THREADS, AttentionPlan
 
 # format name -> its launcher's LINEAR (prepare, gemv, matmul_f32, variants, default_config)
 _LAUNCHERS = {name: importlib.import_module(f"kernels.cuda.{name}") for name in catalog.launchers()}
@@ -60,50 +61,19 @@ DEFAULT_PREFILL = {name: mod.DEFAULT_PREFILL for name, mod in _LAUNCHERS.items()
 _LM = catalog.defines("embed_lmhead_argmax.cu")  # the kernels' own tiling: one reading, not a copy
 LM_WARPS, LM_ROWS = _LM["LM_WARPS"], _LM["LM_ROWS"]
 _ATT = catalog.defines("paged_attention.cu")
-PAGE = _ATT["PAGE"]
-ATT_THREADS, ATT_MAX_ITEMS = _ATT["ATT_THREADS"], _ATT["ATT_MAX_ITEMS"]  # paged_attention_f16
-ATT_WARPS, ATT_MAX_GROUP = _ATT["ATT_WARPS"], _ATT["ATT_MAX_GROUP"]  # paged_attention_warp_d<D>
-ATT_WARP_HEAD_DIMS = (64, 128)
-COMBINE_THREADS, COMBINE_MAX_SPLITS = _ATT["COMBINE_THREADS"], _ATT["COMBINE_MAX_SPLITS"]  # attention_combine_f16
-FOLD_MAX_SPLITS = _ATT["FOLD_MAX_SPLITS"]  # paged_attention_tc_fold_d<D> merges up to this many splits itself
-CLUSTER_SPLITS = _ATT["CLUSTER_SPLITS"]  # paged_attention_tc_cluster_d<D>: its splits, one cluster
-CLUSTER_MAX_PAGES = CLUSTER_SPLITS * ATT_WARPS * 2  # the cluster kernel's page tables: two pages a warp at most
 _RMS = catalog.defines("rmsnorm.cu")
 RMS_THREADS, RMS_THREADS_ONE = _RMS["RMS_THREADS"], _RMS["RMS_THREADS_ONE"]  # rmsnorm_f32_f16's block, T > 1 / T = 1
-# "tc": paged_attention_tc_d<D> (both products of a page on the tensor cores) where the warp kernel
-# fits; "tc_fold": the same kernel whose last block of each KV head merges the splits
-# (paged_attention_tc_fold_d<D>, no attention_combine_f16 launch) for 2 .. FOLD_MAX_SPLITS splits, else "tc";
-# "tc_cluster": the same kernel in CLUSTER_SPLITS splits of one thread block cluster, merged by the cluster
-# after one cluster barrier (paged_attention_tc_cluster_d<D>), for page tables of up to CLUSTER_MAX_PAGES,
-# else "tc"; "warp": paged_attention_warp_d<D> where it fits (head_dim 64 or 128, at most 8 query heads per
-# KV head); else, and for "block": paged_attention_f16 (the first kernel, kept for any shape)
-ATTENTION_VARIANTS = ("tc", "tc_fold", "tc_cluster", "warp", "block")
-# the kernels that merge their own splits, each to the kernel that runs in its place where it cannot
-FOLD_KERNELS = {f"paged_attention_tc_fold_d{d}": f"paged_attention_tc_d{d}" for d in ATT_WARP_HEAD_DIMS}
-CLUSTER_KERNELS = {f"paged_attention_tc_cluster_d{d}": f"paged_attention_tc_d{d}" for d in ATT_WARP_HEAD_DIMS}
 # prefill (T > 1): "wgmma" attention_prefill_wg_d<D> (wgmma, 64 query rows and 64 keys a step) and "tc"
 # attention_prefill_tc_d<D> (mma.sync, 64 query rows, a page a step) where they fit (head_dim 64 or 128),
 # else what attention_variant picks; "warp" / "block" force those kernels
 ATTENTION_PREFILL_VARIANTS = ("wgmma", "tc", "warp", "block")
 TC_ROWS = 64  # must match paged_attention.cu (attention_prefill_tc_d<D>, attention_prefill_wg_d<D>)
 WG_ATT_KEYS = _ATT["WG_ATT_KEYS"]  # attention_prefill_wg_d<D>'s keys a step
-SHARED_LIMIT = 48 * 1024  # static+dynamic shared memory without an opt-in attribute
 _EW_BLOCK = 256
 
 
 def _i32(v):
     return np.int32(v)
-
-
-class AttentionPlan(NamedTuple):
-    """One attention launch as CudaBackend.attention_plan lays it out."""
-    kernel: str
-    pages_per_split: int  # 0: the kernel spreads the used pages over the splits
-    splits: int
-    smem: int  # dynamic shared memory, bytes
-    threads: int
-    merges: bool  # the kernel merges its splits itself (no attention_combine_f16 launch)
-    counts: bool  # ... by counting its blocks' arrivals (the fold: the launch passes the counts)
 
 
 def _blocks(n: int, block: int = _EW_BLOCK, cap: int = 65535) -> int:
@@ -482,56 +452,14 @@ class CudaBackend(Backend):
                                                    page_table, q_out, _i32(nq), _i32(nkv), _i32(d)))
 
     def attention_kernel(self, nq: int, nkv: int, d: int) -> str:
-        """The kernel `attention_variant` names for this head layout ("tc": the tensor-core kernel,
-        "tc_fold": the same with the splits' merge in its last block, "tc_cluster": the same in one thread
-        block cluster that merges its splits, "warp": the warp-per-page kernel) where it fits, else
-        paged_attention_f16. What a launch runs also depends on its splits and pages: `attention_plan`."""
-        if self.attention_variant not in ATTENTION_VARIANTS:
-            raise ValueError(f"attention_variant {self.attention_variant!r} is not one of {ATTENTION_VARIANTS}")
-        if self.attention_variant != "block" and d in ATT_WARP_HEAD_DIMS and nq // nkv <= ATT_MAX_GROUP:
-            return f"paged_attention_{self.attention_variant}_d{d}"
-        return "paged_attention_f16"
+        """The kernel `attention_variant` names for this head layout (catalog.attention_kernel)."""
+        return catalog.attention_kernel(self.attention_variant, nq, nkv, d)
 
     def attention_plan(self, T: int, nq: int, nkv: int, d: int, max_pages: int, split: bool) -> AttentionPlan:
-        """The launch of attention over a page table of `max_pages` for T tokens (`split`: decode's split-K
-        over the pages; without it one block a (KV head, token) holds every page): the kernel, its pages a
-        split (0: spread on the device over the used pages), the split count, its dynamic shared memory,
-        and whether the kernel merges the splits itself: the fold, for 2 .. FOLD_MAX_SPLITS splits; the
-        cluster kernel, CLUSTER_SPLITS splits over a page table of up to CLUSTER_MAX_PAGES (or as many
-        splits of `pages_per_split` as cover it). Where they cannot, their variant runs "tc"'s kernel and
-        attention_combine_f16 after it."""
-        group = nq // nkv
-        kernel = self.attention_kernel(nq, nkv, d)
-        if kernel in CLUSTER_KERNELS:
-            if split and -(-max_pages // (self.pages_per_split or 2 * ATT_WARPS)) <= CLUSTER_SPLITS:
-                return AttentionPlan(kernel, self.pages_per_split or 0, CLUSTER_SPLITS, 0, ATT_WARPS * 32,
-                                     merges=True, counts=False)
-            kernel = CLUSTER_KERNELS[kernel]
-        warp = kernel != "paged_attention_f16"
-        smem = 0
-        if not warp:
-            if group * d > ATT_THREADS * ATT_MAX_ITEMS:
-                raise ValueError(f"attention: {group} query heads per KV head x head_dim {d} exceeds the kernel's "
-                                 f"{ATT_THREADS * ATT_MAX_ITEMS} accumulators per block")
-            smem = 4 * (PAGE * (d + 1) + PAGE * d + group * d + group * PAGE + 3 * group)
-            if smem > SHARED_LIMIT:
-                raise ValueError(f"attention: head_dim {d} with {group} heads per KV head needs {smem} B of shared memory")
-        if not split:
-            pps, splits = max_pages, 1
-        elif self.pages_per_split:
-            pps = self.pages_per_split
-            splits = -(-max_pages // pps)
-        else:  # dynamic: the kernel spreads the used pages over `splits` blocks per (KV head, token)
-            # (the warp kernels' blocks hold ATT_WARPS pages at a time: no more splits than that fills)
-            most = -(-max_pages // ATT_WARPS) if warp else max_pages
-            pps, splits = 0, max(1, min(most, -(-self.att_blocks // (nkv * T))))
-        if splits > COMBINE_MAX_SPLITS:
-            raise ValueError(f"attention: {splits} splits exceed the combine kernel's {COMBINE_MAX_SPLITS} "
-                             f"(raise pages_per_split)")
-        fold = kernel in FOLD_KERNELS
-        if fold and not 1 < splits <= FOLD_MAX_SPLITS:
-            kernel, fold = FOLD_KERNELS[kernel], False
-        return AttentionPlan(kernel, pps, splits, smem, ATT_WARPS * 32 if warp else ATT_THREADS, merges=fold, counts=fold)
+        """The launch of attention over a page table of `max_pages` for T tokens with this backend's settings
+        (attention_variant, pages_per_split, att_blocks): catalog.attention_plan."""
+        return catalog.attention_plan(self.attention_variant, T, nq, nkv, d, max_pages, split, self.pages_per_split,
+                                      self.att_blocks)
 
     def _attention(self, q, k_pages, v_pages, page_table, positions, out, split: bool):
         _need_attention(q, k_pages, v_pages, page_table, positions, out)

@@ -1,4 +1,5 @@
-"""The quantized-linear launchers of this folder, read from their source text (no CuPy needed).
+"""The quantized-linear launchers of this folder, read from their source text, and the decode attention's
+launch plan (no CuPy needed).
 
 A launcher is a module `kernels/cuda/<format>.py` (named after its format, next to its `<format>.cu`)
 that assigns `LINEAR` (a kernels/cuda/linear.py object: prepare, gemv, matmul_f32) and declares, as
@@ -15,6 +16,10 @@ plain literals:
 The backend (kernels/cuda/__init__.py) imports every launcher this lists; the CPU-side tests
 (ladder/unit/test_cuda_build.py, test_cuda_variants.py) read the same literals from here, by file
 path, on machines without CuPy.
+
+`attention_plan` lays out one attention launch (kernel, splits, whether the kernel merges its own splits)
+from the backend's settings; the backend launches what it says, and ladder/unit/test_attention_plan.py
+holds it to its edges on any machine.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import ast
 import re
 from pathlib import Path
+from typing import NamedTuple
 
 HERE = Path(__file__).resolve().parent
 LINEAR_OPS = ("qkv_proj", "o_proj_residual", "gate_up_silu", "down_residual")
@@ -111,3 +117,96 @@ def lm_head_tiling() -> tuple[int, int, int]:
 def gemv_kernel_name(prefix: str, op: str, variant: str) -> str:
     """The entry point of `op`'s GEMV in `variant`: <prefix>_<epilogue>_<variant>."""
     return f"{prefix}_{EPILOGUE[op]}_{variant}"
+
+
+# ---- the attention launch (paged_attention.cu) -------------------------------------------------------------
+
+_ATT = defines("paged_attention.cu")
+PAGE = _ATT["PAGE"]
+ATT_THREADS, ATT_MAX_ITEMS = _ATT["ATT_THREADS"], _ATT["ATT_MAX_ITEMS"]  # paged_attention_f16
+ATT_WARPS, ATT_MAX_GROUP = _ATT["ATT_WARPS"], _ATT["ATT_MAX_GROUP"]  # paged_attention_warp_d<D>, _tc_d<D>
+ATT_WARP_HEAD_DIMS = (64, 128)
+COMBINE_THREADS, COMBINE_MAX_SPLITS = _ATT["COMBINE_THREADS"], _ATT["COMBINE_MAX_SPLITS"]  # attention_combine_f16
+FOLD_MAX_SPLITS = _ATT["FOLD_MAX_SPLITS"]  # paged_attention_tc_fold_d<D> merges up to this many splits itself
+CLUSTER_SPLITS = _ATT["CLUSTER_SPLITS"]  # paged_attention_tc_cluster_d<D>: its splits, one cluster
+CLUSTER_MAX_PAGES = CLUSTER_SPLITS * ATT_WARPS * 2  # the cluster kernel's page tables: two pages a warp at most
+SHARED_LIMIT = 48 * 1024  # static+dynamic shared memory without an opt-in attribute
+# "tc": paged_attention_tc_d<D> (both products of a page on the tensor cores) where the warp kernel
+# fits; "tc_fold": the same kernel whose last block of each KV head merges the splits
+# (paged_attention_tc_fold_d<D>, no attention_combine_f16 launch) for 2 .. FOLD_MAX_SPLITS splits, else "tc";
+# "tc_cluster": the same kernel in CLUSTER_SPLITS splits of one thread block cluster, merged by the cluster
+# after one cluster barrier (paged_attention_tc_cluster_d<D>), for page tables of up to CLUSTER_MAX_PAGES,
+# else "tc"; "warp": paged_attention_warp_d<D> where it fits (head_dim 64 or 128, at most 8 query heads per
+# KV head); else, and for "block": paged_attention_f16 (the first kernel, kept for any shape)
+ATTENTION_VARIANTS = ("tc", "tc_fold", "tc_cluster", "warp", "block")
+# the kernels that merge their own splits, each to the kernel that runs in its place where it cannot
+FOLD_KERNELS = {f"paged_attention_tc_fold_d{d}": f"paged_attention_tc_d{d}" for d in ATT_WARP_HEAD_DIMS}
+CLUSTER_KERNELS = {f"paged_attention_tc_cluster_d{d}": f"paged_attention_tc_d{d}" for d in ATT_WARP_HEAD_DIMS}
+
+
+class AttentionPlan(NamedTuple):
+    """One attention launch as `attention_plan` lays it out: grid (nkv, T, splits), `threads` a block."""
+    kernel: str
+    pages_per_split: int  # 0: the kernel spreads the used pages over the splits
+    splits: int
+    smem: int  # dynamic shared memory, bytes
+    threads: int
+    merges: bool  # the kernel merges its splits itself (no attention_combine_f16 launch)
+    counts: bool  # ... by counting its blocks' arrivals (the fold: the launch passes the counts)
+
+
+def attention_kernel(variant: str, nq: int, nkv: int, d: int) -> str:
+    """The kernel `variant` names for this head layout ("tc": the tensor-core kernel, "tc_fold": the same
+    with the splits' merge in its last block, "tc_cluster": the same in one thread block cluster that
+    merges its splits, "warp": the warp-per-page kernel) where it fits, else paged_attention_f16. What a
+    launch runs also depends on its splits and pages: `attention_plan`."""
+    if variant not in ATTENTION_VARIANTS:
+        raise ValueError(f"attention_variant {variant!r} is not one of {ATTENTION_VARIANTS}")
+    if variant != "block" and d in ATT_WARP_HEAD_DIMS and nq // nkv <= ATT_MAX_GROUP:
+        return f"paged_attention_{variant}_d{d}"
+    return "paged_attention_f16"
+
+
+def attention_plan(variant: str, T: int, nq: int, nkv: int, d: int, max_pages: int, split: bool,
+                   pages_per_split: int | None, att_blocks: int) -> AttentionPlan:
+    """The launch of attention over a page table of `max_pages` for T tokens (`split`: decode's split-K
+    over the pages; without it one block a (KV head, token) holds every page), with the backend's settings
+    (`variant`, `pages_per_split`: None spreads the used pages over about `att_blocks` blocks, computed on
+    the device from the current length): the kernel, its pages a split (0: that spread), the split count,
+    its dynamic shared memory, its block, and whether the kernel merges the splits itself: the fold, for 2
+    .. FOLD_MAX_SPLITS splits; the cluster kernel, CLUSTER_SPLITS splits over a page table of up to
+    CLUSTER_MAX_PAGES (or as many splits of `pages_per_split` as cover it). Where they cannot, their
+    variant runs "tc"'s kernel and attention_combine_f16 after it. ValueError for a layout or a split count
+    no kernel holds."""
+    group = nq // nkv
+    kernel = attention_kernel(variant, nq, nkv, d)
+    if kernel in CLUSTER_KERNELS:
+        if split and -(-max_pages // (pages_per_split or 2 * ATT_WARPS)) <= CLUSTER_SPLITS:
+            return AttentionPlan(kernel, pages_per_split or 0, CLUSTER_SPLITS, 0, ATT_WARPS * 32, merges=True,
+                                 counts=False)
+        kernel = CLUSTER_KERNELS[kernel]
+    warp = kernel != "paged_attention_f16"
+    smem = 0
+    if not warp:
+        if group * d > ATT_THREADS * ATT_MAX_ITEMS:
+            raise ValueError(f"attention: {group} query heads per KV head x head_dim {d} exceeds the kernel's "
+                             f"{ATT_THREADS * ATT_MAX_ITEMS} accumulators per block")
+        smem = 4 * (PAGE * (d + 1) + PAGE * d + group * d + group * PAGE + 3 * group)
+        if smem > SHARED_LIMIT:
+            raise ValueError(f"attention: head_dim {d} with {group} heads per KV head needs {smem} B of shared memory")
+    if not split:
+        pps, splits = max_pages, 1
+    elif pages_per_split:
+        pps = pages_per_split
+        splits = -(-max_pages // pps)
+    else:  # dynamic: the kernel spreads the used pages over `splits` blocks per (KV head, token)
+        # (the warp kernels' blocks hold ATT_WARPS pages at a time: no more splits than that fills)
+        most = -(-max_pages // ATT_WARPS) if warp else max_pages
+        pps, splits = 0, max(1, min(most, -(-att_blocks // (nkv * T))))
+    if splits > COMBINE_MAX_SPLITS:
+        raise ValueError(f"attention: {splits} splits exceed the combine kernel's {COMBINE_MAX_SPLITS} "
+                         f"(raise pages_per_split)")
+    fold = kernel in FOLD_KERNELS
+    if fold and not 1 < splits <= FOLD_MAX_SPLITS:
+        kernel, fold = FOLD_KERNELS[kernel], False
+    return AttentionPlan(kernel, pps, splits, smem, ATT_WARPS * 32 if warp else ATT_THREADS, merges=fold, counts=fold)
