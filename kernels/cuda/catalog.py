@@ -128,15 +128,15 @@ ATT_WARPS, ATT_MAX_GROUP = _ATT["ATT_WARPS"], _ATT["ATT_MAX_GROUP"]  # paged_att
 ATT_WARP_HEAD_DIMS = (64, 128)
 COMBINE_THREADS, COMBINE_MAX_SPLITS = _ATT["COMBINE_THREADS"], _ATT["COMBINE_MAX_SPLITS"]  # attention_combine_f16
 FOLD_MAX_SPLITS = _ATT["FOLD_MAX_SPLITS"]  # paged_attention_tc_fold_d<D> merges up to this many splits itself
-CLUSTER_SPLITS = _ATT["CLUSTER_SPLITS"]  # paged_attention_tc_cluster_d<D>: its splits, one cluster
-CLUSTER_MAX_PAGES = CLUSTER_SPLITS * ATT_WARPS * 2  # the cluster kernel's page tables: two pages a warp at most
+CLUSTER_SPLITS, CLUSTER_WARPS = _ATT["CLUSTER_SPLITS"], _ATT["CLUSTER_WARPS"]  # paged_attention_tc_cluster_d<D>
+CLUSTER_MAX_PAGES = CLUSTER_SPLITS * CLUSTER_WARPS * 2  # the cluster kernel's page tables: two pages a warp at most
 SHARED_LIMIT = 48 * 1024  # static+dynamic shared memory without an opt-in attribute
 # "tc": paged_attention_tc_d<D> (both products of a page on the tensor cores) where the warp kernel
 # fits; "tc_fold": the same kernel whose last block of each KV head merges the splits
 # (paged_attention_tc_fold_d<D>, no attention_combine_f16 launch) for 2 .. FOLD_MAX_SPLITS splits, else "tc";
-# "tc_cluster": the same kernel in CLUSTER_SPLITS splits of one thread block cluster, merged by the cluster
-# after one cluster barrier (paged_attention_tc_cluster_d<D>), for page tables of up to CLUSTER_MAX_PAGES,
-# else "tc"; "warp": paged_attention_warp_d<D> where it fits (head_dim 64 or 128, at most 8 query heads per
+# "tc_cluster": the same kernel (CLUSTER_WARPS warps a block) in CLUSTER_SPLITS splits of one thread block
+# cluster, merged by the cluster after one cluster barrier (paged_attention_tc_cluster_d<D>), for page tables
+# of up to CLUSTER_MAX_PAGES, else "tc"; "warp": paged_attention_warp_d<D> where it fits (head_dim 64 or 128, at most 8 query heads per
 # KV head); else, and for "block": paged_attention_f16 (the first kernel, kept for any shape)
 ATTENTION_VARIANTS = ("tc", "tc_fold", "tc_cluster", "warp", "block")
 # the kernels that merge their own splits, each to the kernel that runs in its place where it cannot
@@ -181,8 +181,8 @@ def attention_plan(variant: str, T: int, nq: int, nkv: int, d: int, max_pages: i
     group = nq // nkv
     kernel = attention_kernel(variant, nq, nkv, d)
     if kernel in CLUSTER_KERNELS:
-        if split and -(-max_pages // (pages_per_split or 2 * ATT_WARPS)) <= CLUSTER_SPLITS:
-            return AttentionPlan(kernel, pages_per_split or 0, CLUSTER_SPLITS, 0, ATT_WARPS * 32, merges=True,
+        if split and -(-max_pages // (pages_per_split or 2 * CLUSTER_WARPS)) <= CLUSTER_SPLITS:
+            return AttentionPlan(kernel, pages_per_split or 0, CLUSTER_SPLITS, 0, CLUSTER_WARPS * 32, merges=True,
                                  counts=False)
         kernel = CLUSTER_KERNELS[kernel]
     warp = kernel != "paged_attention_f16"

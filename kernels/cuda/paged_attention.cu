@@ -887,7 +887,7 @@ attention_combine_f16(const float* __restrict__ part_m, const float* __restrict_
 // weights e^(m_w - M) are computed once per (warp, head). Measured on an H200 at the 7B layout (28 query
 // heads, 4 KV heads of 128): 4.7 us a layer at 512 keys and 11.1 at 8192, the warp kernel's 10.1 and 22.6
 // in the same runs (bench/NOTES.md, v5).
-template <int D>
+template <int D, int W = ATT_WARPS>  // W warps a block: ATT_WARPS, or CLUSTER_WARPS in the cluster kernel
 __device__ __forceinline__ void attention_tc_pages(const f16_bits* __restrict__ q, const f16_bits* __restrict__ k_pages,
                                                    const f16_bits* __restrict__ v_pages, const int* __restrict__ page_table,
                                                    const int* __restrict__ positions, f16_bits* __restrict__ out,
@@ -898,8 +898,8 @@ __device__ __forceinline__ void attention_tc_pages(const f16_bits* __restrict__ 
     constexpr int CH = D / 32;   // 32-dim chunks of S's k: two mmas each
     constexpr int NP = D / 16;   // n-tile pairs of O (16 dims each)
     constexpr int RUNS = D / 8;  // 16-byte runs per row
-    __shared__ float Mw[ATT_WARPS][G], Lw[ATT_WARPS][G], Ew[ATT_WARPS][G], Mb[G], Lb[G];
-    __shared__ __align__(16) float Aw[ATT_WARPS][G * D];
+    __shared__ float Mw[W][G], Lw[W][G], Ew[W][G], Mb[G], Lb[G];
+    __shared__ __align__(16) float Aw[W][G * D];
 
     const int kvh = blockIdx.x, t = blockIdx.y, z = blockIdx.z, splits = gridDim.z;
     const int group = nq / nkv, tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP;
@@ -920,7 +920,7 @@ __device__ __forceinline__ void attention_tc_pages(const f16_bits* __restrict__ 
 #pragma unroll
     for (int n = 0; n < 2 * NP; ++n) o[n][0] = o[n][1] = 0.0f;
 
-    for (int p = first_page + warp; p < last_page; p += ATT_WARPS) {
+    for (int p = first_page + warp; p < last_page; p += W) {
         const int valid = imin(PAGE, n_keys - p * PAGE);  // >= 1: p is below the last used page
         const size_t base = (((size_t)page_table[p] * nkv + kvh) * PAGE) * D;
         // Every load of the page first (one trip of memory latency a page): K rows r and 8 + r (this lane's
@@ -1013,10 +1013,10 @@ __device__ __forceinline__ void attention_tc_pages(const f16_bits* __restrict__ 
     if (tid < group) {  // the merge weights, once per (warp, head)
         float M = neg_inf();
 #pragma unroll
-        for (int w = 0; w < ATT_WARPS; ++w) M = Lw[w][tid] > 0.0f ? fmaxf(M, Mw[w][tid]) : M;
+        for (int w = 0; w < W; ++w) M = Lw[w][tid] > 0.0f ? fmaxf(M, Mw[w][tid]) : M;
         float L = 0.0f;
 #pragma unroll
-        for (int w = 0; w < ATT_WARPS; ++w) {
+        for (int w = 0; w < W; ++w) {
             const float e = Lw[w][tid] > 0.0f ? expf(Mw[w][tid] - M) : 0.0f;
             Ew[w][tid] = e;
             L = fmaf(Lw[w][tid], e, L);
@@ -1025,11 +1025,11 @@ __device__ __forceinline__ void attention_tc_pages(const f16_bits* __restrict__ 
         Lb[tid] = L;
     }
     __syncthreads();  // the weights are in shared memory
-    for (int item = tid; item < group * D; item += ATT_WARPS * WARP) {
+    for (int item = tid; item < group * D; item += W * WARP) {
         const int g = item / D, col = item % D, h = kvh * group + g;
         float A = 0.0f;
 #pragma unroll
-        for (int w = 0; w < ATT_WARPS; ++w) A = fmaf(Aw[w][item], Ew[w][g], A);
+        for (int w = 0; w < W; ++w) A = fmaf(Aw[w][item], Ew[w][g], A);
         if (splits == 1) {
             out[((size_t)t * nq + h) * D + col] = f2h(A / Lb[g]);
         } else {
@@ -1059,7 +1059,7 @@ paged_attention_tc_d128(const f16_bits* q, const f16_bits* k_pages, const f16_bi
 //
 // attention_tc_pages as above, then, instead of a second kernel (attention_combine_f16), the last block of a
 // (KV head, token) to finish merges that pair's splits for its `group` query heads. Why: at a short context
-// the combine's work is small (512 keys: about 10 splits of 128 floats a head) and its cost is its launch,
+// the combine's work is small (512 keys: 11 splits of 128 floats a head) and its cost is its launch,
 // the wait for the whole attention grid to end, and its own ramp: 73.7 us of a 2.036 ms decode step at
 // 512 keys, 7B (the step captured with it taken out, bench/NOTES.md v5). Here the merge starts in the block
 // that finishes last, as soon as it has counted itself.
@@ -1196,21 +1196,24 @@ paged_attention_tc_fold_d128(const f16_bits* q, const f16_bits* k_pages, const f
 //
 // Hopper groups the CLUSTER_SPLITS blocks of a (KV head, token) into one cluster (`__cluster_dims__`: the
 // grid's z, the splits, is exactly one cluster), scheduled together on one GPC. Each block runs
-// attention_tc_pages as above and stores its split's partial; then one cluster barrier (arrive with
+// attention_tc_pages as above with CLUSTER_WARPS warps (8: the cluster's 8 splits then hold 64 pages in
+// one round of a page a warp, as "tc"'s up to 66 splits of 4 warps do) and stores its split's partial; then one cluster barrier (arrive with
 // release, wait with acquire semantics at cluster scope: every block's partial stores happen before any
 // block's loads after it) replaces both the combine kernel's launch and the fold's fence and atomic, and
-// the merge is spread over the whole cluster: block r merges items r * 128 + tid (an item is one column of
-// one query head), each thread's 3 x CLUSTER_SPLITS loads (m, l and the column of every split, through L2:
+// the merge is spread over the whole cluster: block r merges items r * THREADS + tid (an item is one column
+// of one query head), each thread's 3 x CLUSTER_SPLITS loads (m, l and the column of every split, through L2:
 // other SMs wrote them) in flight at once. Its arithmetic is the fold's, in the same order (max over the
 // splits holding keys, weights e^(m_z - M), L = sum l_z w_z and the column's sum acc_z w_z in z order, then
-// acc / L), so with the same spans both give the same bits. The launcher runs it where no warp is given more
-// than two pages (a page table of at most CLUSTER_SPLITS x ATT_WARPS x 2 pages, the dynamic spread giving
-// each split ceil(used / CLUSTER_SPLITS)), else "tc" and the combine.
+// acc / L), so over the same spans (up to ATT_WARPS pages a split: a page a warp in both) both give the same
+// bits. The launcher runs it where no warp is given more than two pages (a page table of at most
+// CLUSTER_SPLITS x CLUSTER_WARPS x 2 pages, the dynamic spread giving each split ceil(used / CLUSTER_SPLITS)),
+// else "tc" and the combine.
 #define CLUSTER_SPLITS 8
+#define CLUSTER_WARPS 8
 template <int D>
 __device__ __forceinline__ void merge_in_the_cluster(const float* part_m, const float* part_l, const float* part_acc,
                                                      f16_bits* __restrict__ out, int nq, int nkv) {
-    constexpr int THREADS = ATT_WARPS * WARP;
+    constexpr int THREADS = CLUSTER_WARPS * WARP;
     const int kvh = blockIdx.x, t = blockIdx.y, rank = blockIdx.z, group = nq / nkv;
     // every thread of every block of the cluster: its partial stores released, the others' acquired
     asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
@@ -1238,23 +1241,23 @@ __device__ __forceinline__ void merge_in_the_cluster(const float* part_m, const 
     }
 }
 
-extern "C" __global__ void __launch_bounds__(ATT_WARPS * WARP) __cluster_dims__(1, 1, CLUSTER_SPLITS)
+extern "C" __global__ void __launch_bounds__(CLUSTER_WARPS * WARP) __cluster_dims__(1, 1, CLUSTER_SPLITS)
 paged_attention_tc_cluster_d64(const f16_bits* q, const f16_bits* k_pages, const f16_bits* v_pages,
                                const int* page_table, const int* positions, f16_bits* out, float* part_m,
                                float* part_l, float* part_acc, int nq, int nkv, int d, int pages_per_split,
                                int max_pages, float scale) {
     pdl_enter();  // common.cuh: q, the pages and the positions are earlier kernels' writes
-    attention_tc_pages<64>(q, k_pages, v_pages, page_table, positions, out, part_m, part_l, part_acc, nq, nkv,
-                           pages_per_split, max_pages, scale);
+    attention_tc_pages<64, CLUSTER_WARPS>(q, k_pages, v_pages, page_table, positions, out, part_m, part_l, part_acc,
+                                          nq, nkv, pages_per_split, max_pages, scale);
     merge_in_the_cluster<64>(part_m, part_l, part_acc, out, nq, nkv);
 }
-extern "C" __global__ void __launch_bounds__(ATT_WARPS * WARP) __cluster_dims__(1, 1, CLUSTER_SPLITS)
+extern "C" __global__ void __launch_bounds__(CLUSTER_WARPS * WARP) __cluster_dims__(1, 1, CLUSTER_SPLITS)
 paged_attention_tc_cluster_d128(const f16_bits* q, const f16_bits* k_pages, const f16_bits* v_pages,
                                 const int* page_table, const int* positions, f16_bits* out, float* part_m,
                                 float* part_l, float* part_acc, int nq, int nkv, int d, int pages_per_split,
                                 int max_pages, float scale) {
     pdl_enter();  // common.cuh: q, the pages and the positions are earlier kernels' writes
-    attention_tc_pages<128>(q, k_pages, v_pages, page_table, positions, out, part_m, part_l, part_acc, nq, nkv,
-                            pages_per_split, max_pages, scale);
+    attention_tc_pages<128, CLUSTER_WARPS>(q, k_pages, v_pages, page_table, positions, out, part_m, part_l, part_acc,
+                                           nq, nkv, pages_per_split, max_pages, scale);
     merge_in_the_cluster<128>(part_m, part_l, part_acc, out, nq, nkv);
 }

@@ -64,18 +64,19 @@ def test_every_plan_covers_its_pages_within_its_kernels_edges(variant, T, layout
 
 @SOURCES
 @pytest.mark.parametrize("max_pages, want", [
-    # 512 keys and a little room (40 pages): "tc" spreads them over 10 splits (no more than ATT_WARPS pages
-    # a split fill), the fold merges those 10 itself, the cluster takes its 8
-    (40, {"tc": ("paged_attention_tc_d128", 10, False), "tc_fold": ("paged_attention_tc_fold_d128", 10, True),
+    # the bench's cache at a 512-token prompt (512 + 128 new + 16 tokens: 41 pages): "tc" spreads them over
+    # 11 splits (no more than one page a warp), the fold merges those 11 itself, the cluster takes its 8
+    (41, {"tc": ("paged_attention_tc_d128", 11, False), "tc_fold": ("paged_attention_tc_fold_d128", 11, True),
           "tc_cluster": ("paged_attention_tc_cluster_d128", CLUSTER, True)}),
-    # 8192 keys (520 pages): 66 splits (2 blocks an SM of 132, over 4 KV heads): past the fold's 32 and the
-    # cluster's 64 pages, so both run "tc" and the combine
-    (520, {"tc": ("paged_attention_tc_d128", 66, False), "tc_fold": ("paged_attention_tc_d128", 66, False),
+    # at 8192 (8336 tokens: 521 pages): 66 splits (2 blocks an SM of 132, over 4 KV heads), past the fold's
+    # 32 splits and the cluster's 128 pages, so both run "tc" and the combine
+    (521, {"tc": ("paged_attention_tc_d128", 66, False), "tc_fold": ("paged_attention_tc_d128", 66, False),
            "tc_cluster": ("paged_attention_tc_d128", 66, False)}),
 ])
 def test_the_7b_decode_on_an_h200_at_512_and_8192_keys(max_pages, want):
-    """The decode step the bench times (28 query heads, 4 KV heads of 128; att_blocks 2 x 132 SMs): which
-    kernel each tensor-core variant runs, over how many splits, and whether it merges them itself."""
+    """The decode step the bench times (28 query heads, 4 KV heads of 128; att_blocks 2 x 132 SMs; its cache
+    sized prompt + 128 new + 16 tokens, bench/decode_bench.py): which kernel each tensor-core variant runs,
+    over how many splits, and whether it merges them itself."""
     for variant, (kernel, splits, merges) in want.items():
         plan = _plan(variant, 1, (28, 4, 128), max_pages, True, None, 264)
         assert (plan.kernel, plan.splits, plan.merges) == (kernel, splits, merges), (variant, plan)

@@ -510,7 +510,7 @@ def _merged_by_the_kernel_itself(backend, case, kernel: str, merges: bool):
 
 
 CLUSTER_SPLITS = COMBINE["CLUSTER_SPLITS"]  # paged_attention_tc_cluster_d<D>: its splits, one cluster
-CLUSTER_MAX_PAGES = CLUSTER_SPLITS * COMBINE["ATT_WARPS"] * 2  # kernels/cuda/__init__.py: two pages a warp
+CLUSTER_MAX_PAGES = CATALOG.CLUSTER_MAX_PAGES  # the cluster kernel's page tables: two pages a warp at most
 
 
 @pytest.mark.parametrize("pages", (1, CLUSTER_MAX_PAGES, CLUSTER_MAX_PAGES + 1))
@@ -529,11 +529,12 @@ def test_the_cluster_merges_its_splits_up_to_two_pages_a_warp_and_hands_longer_t
 
 def test_the_fold_and_the_cluster_merge_the_same_splits_to_the_same_bits(backend):
     """Both merge in one order (the max over the splits that hold keys, the weights, then the sums in split
-    order): over the same CLUSTER_SPLITS spans their outputs are equal bit for bit. The 7B head layout, 600
-    keys (38 pages, 5 a split: the fold's dynamic spread held to that many splits by att_blocks), and 40 keys
-    in a page table of CLUSTER_SPLITS pages (3 used: one a split, the last five splits empty; the fold at one
-    page a split)."""
-    long = PagedCase.build(seed=600, L=600, T=1, nq=28, nkv=4, d=128, layout="shuffled")
+    order): over the same CLUSTER_SPLITS spans, each of at most ATT_WARPS pages (so that a page is its own
+    warp's in both, the cluster's extra warps empty and weighed 0), their outputs are equal bit for bit.
+    The 7B head layout, 500 keys (32 pages, 4 a split: the fold's dynamic spread held to CLUSTER_SPLITS
+    splits by att_blocks), and 40 keys in a page table of CLUSTER_SPLITS pages (3 used: one a split, the
+    last five splits empty; the fold at one page a split)."""
+    long = PagedCase.build(seed=500, L=500, T=1, nq=28, nkv=4, d=128, layout="shuffled")
     short = PagedCase.build(seed=40, L=40, T=1, nq=28, nkv=4, d=128, layout="shuffled")
     short = dataclasses.replace(short, page_table=np.concatenate(
         [short.page_table, np.full(CLUSTER_SPLITS - len(short.page_table), -1, np.int32)]))
