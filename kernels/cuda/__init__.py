@@ -15,14 +15,15 @@ variant (threads and rows per block, or a tensor-core tiling). With T > 1 (prefi
 `matmul_f32` leaves x W^T in fp32 (tensor-core kernels on the weights' exact fp16 values with fp32 sums,
 scaled per group or per row: the INT4 formats' wgmma kernel, the 8-bit formats' ring; or, as
 `prefill_variant` picks, the exact fp32 dequantization and one cuBLAS fp32 GEMM), then a shared epilogue
-kernel (epilogues.cu) runs. Attention with T = 1 splits the used pages evenly over a fixed
-number of blocks (computed on the device from the current length) and merges the splits in a fixed
-order (attention_combine_f16, or, as `attention_variant` picks, the attention kernel itself: its last
-block, or its thread block cluster; catalog.attention_plan lays out each launch); within a block, each warp owns whole pages in registers and runs both products of a page on
-the tensor cores (paged_attention_tc_d64/_d128, for head_dim 64 or 128 and up to 8 query heads per KV
-head; paged_attention_warp_d<D> does them on the CUDA cores; other layouts take paged_attention_f16). A
-prefill (T > 1) runs on wgmma (attention_prefill_wg_d64/_d128: 64 query rows of one KV head a block,
-64 keys a step, each K/V page staged once per tile; attention_prefill_tc_d64/_d128 is the same tile on
+kernel (epilogues.cu) runs. Attention with T = 1 splits the used pages evenly over a fixed number of
+blocks (computed on the device from the current length) and merges the splits in a fixed order
+(attention_combine_f16, or, as `attention_variant` picks, the attention kernel itself: its last block,
+or its thread block cluster; catalog.attention_plan lays out each launch); within a block, each warp
+owns whole pages in registers and runs both products of a page on the tensor cores
+(paged_attention_tc_d64/_d128, for head_dim 64 or 128 and up to 8 query heads per KV head;
+paged_attention_warp_d<D> does them on the CUDA cores; other layouts take paged_attention_f16). A
+prefill (T > 1) runs on wgmma (attention_prefill_wg_d64/_d128: 64 query rows of one KV head a block, 64
+keys a step, each K/V page staged once per tile; attention_prefill_tc_d64/_d128 is the same tile on
 mma.sync, a page a step).
 
 Every launch goes to CuPy's current stream, and nothing in a T = 1 op allocates memory once its scratch
