@@ -53,7 +53,8 @@ except ImportError as e:  # re-raised by get_backend as BackendUnavailableError
 
 from kernels.cuda import catalog, loader
 # the decode attention's kernels and launch plan live in catalog.py (read there without CuPy, and tested so)
-from kernels.cuda.catalog import ATT_WARP_HEAD_DIMS, ATTENTION_VARIANTS, COMBINE_THREADS, AttentionPlan
+from kernels.cuda.catalog import (ATT_WARP_HEAD_DIMS, ATTENTION_PREFILL_VARIANTS, ATTENTION_VARIANTS, COMBINE_THREADS,
+                                  AttentionPlan)
 
 # format name -> its launcher's LINEAR (prepare, gemv, matmul_f32, variants, default_config)
 _LAUNCHERS = {name: importlib.import_module(f"kernels.cuda.{name}") for name in catalog.launchers()}
@@ -65,10 +66,6 @@ LM_WARPS, LM_ROWS = _LM["LM_WARPS"], _LM["LM_ROWS"]
 _ATT = catalog.defines("paged_attention.cu")
 _RMS = catalog.defines("rmsnorm.cu")
 RMS_THREADS, RMS_THREADS_ONE = _RMS["RMS_THREADS"], _RMS["RMS_THREADS_ONE"]  # rmsnorm_f32_f16's block, T > 1 / T = 1
-# prefill (T > 1): "wgmma" attention_prefill_wg_d<D> (wgmma, 64 query rows and 64 keys a step) and "tc"
-# attention_prefill_tc_d<D> (mma.sync, 64 query rows, a page a step) where they fit (head_dim 64 or 128),
-# else what attention_variant picks; "warp" / "block" force those kernels
-ATTENTION_PREFILL_VARIANTS = ("wgmma", "tc", "warp", "block")
 TC_ROWS = 64  # must match paged_attention.cu (attention_prefill_tc_d<D>, attention_prefill_wg_d<D>)
 WG_ATT_KEYS = _ATT["WG_ATT_KEYS"]  # attention_prefill_wg_d<D>'s keys a step
 _EW_BLOCK = 256

@@ -139,6 +139,10 @@ SHARED_LIMIT = 48 * 1024  # static+dynamic shared memory without an opt-in attri
 # of up to CLUSTER_MAX_PAGES, else "tc"; "warp": paged_attention_warp_d<D> where it fits (head_dim 64 or 128, at most 8 query heads per
 # KV head); else, and for "block": paged_attention_f16 (the first kernel, kept for any shape)
 ATTENTION_VARIANTS = ("tc", "tc_fold", "tc_cluster", "warp", "block")
+# prefill (T > 1): "wgmma" attention_prefill_wg_d<D> (wgmma, 64 query rows and 64 keys a step) and "tc"
+# attention_prefill_tc_d<D> (mma.sync, 64 query rows, a page a step) where they fit (head_dim 64 or 128),
+# else what attention_variant picks; "warp" / "block" force those kernels
+ATTENTION_PREFILL_VARIANTS = ("wgmma", "tc", "warp", "block")
 # the kernels that merge their own splits, each to the kernel that runs in its place where it cannot
 FOLD_KERNELS = {f"paged_attention_tc_fold_d{d}": f"paged_attention_tc_d{d}" for d in ATT_WARP_HEAD_DIMS}
 CLUSTER_KERNELS = {f"paged_attention_tc_cluster_d{d}": f"paged_attention_tc_d{d}" for d in ATT_WARP_HEAD_DIMS}

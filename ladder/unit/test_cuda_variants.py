@@ -332,8 +332,8 @@ def test_full_size_linears_match_reference(backend, quant_format, op, T):
                   weights=_full_size_weights(backend, quant_format, op, in_f, rows))
 
 
-ATTENTION_VARIANTS = ("tc", "tc_fold", "tc_cluster", "warp", "block")  # kernels/cuda/__init__.py ATTENTION_VARIANTS
-ATTENTION_PREFILL_VARIANTS = ("wgmma", "tc", "warp", "block")  # and its ATTENTION_PREFILL_VARIANTS
+# the attention variants the backend ships (kernels/cuda/catalog.py, read without CuPy): every one is checked
+ATTENTION_VARIANTS, ATTENTION_PREFILL_VARIANTS = CATALOG.ATTENTION_VARIANTS, CATALOG.ATTENTION_PREFILL_VARIANTS
 
 
 @contextlib.contextmanager
@@ -384,9 +384,26 @@ def test_the_prefill_rmsnorm_fold_gives_the_bits_of_its_two_ops(backend, quant_f
                     f"{quant_format.name}: the fold's {name} differs from the two ops' at T={T}, rows={rows}")
 
 
+@contextlib.contextmanager
+def _kernels_launched():
+    """The names of the kernels launched inside the block (filled when it ends), the launches also handed on
+    to the observer that was set (the launch map's recording, when the rung records one): watching here hides
+    nothing from it."""
+    from kernels.base import launch_observer, observe_launches
+
+    onward = launch_observer()
+    tee = _LaunchTee(onward)
+    names: set[str] = set()
+    observe_launches(tee)
+    try:
+        yield names
+    finally:
+        observe_launches(onward)
+        names.update(u.split("::")[-1] for u in tee)
+
+
 class _LaunchTee(set):
-    """The launches of a block of code, also handed on to the observer that was set (the launch map's
-    recording, when the rung records one), so watching here hides nothing from it."""
+    """A set of launch units that also hands each on to `onward` (_kernels_launched)."""
 
     def __init__(self, onward):
         super().__init__()
@@ -405,26 +422,17 @@ def test_the_rungs_backend_runs_the_fused_prefill_kernel(backend, quant_format):
     off the same call runs the two ops' kernels."""
     if not hasattr(backend, "rmsnorm_fold"):
         pytest.skip("the backend has no rmsnorm_fold: its fused ops are their two ops")
-    from kernels.base import launch_observer, observe_launches
-
     rng = rng_for(11)
     qw, _ = quantized_and_read(backend, quant_format, quantizable_weight(rng, 136, 256))
     x = backend.asarray(rng.standard_normal((3, 256)).astype(np.float16))
     norm_w = backend.asarray(np.ones(136, np.float16))
     launched = {}
     for fold in (True, False):
-        with _backend_setting(backend, rmsnorm_fold=fold):
-            onward = launch_observer()
-            tee = _LaunchTee(onward)
-            observe_launches(tee)
-            try:
-                resid = backend.asarray(np.zeros((3, 136), np.float32))
-                out = backend.asarray(np.zeros((3, 136), np.float16))
-                backend.down_residual_rmsnorm(x, qw, resid, norm_w, 1e-6, out)
-                backend.synchronize()
-            finally:
-                observe_launches(onward)
-            launched[fold] = {u.split("::")[-1] for u in tee}
+        with _backend_setting(backend, rmsnorm_fold=fold), _kernels_launched() as launched[fold]:
+            resid = backend.asarray(np.zeros((3, 136), np.float32))
+            out = backend.asarray(np.zeros((3, 136), np.float16))
+            backend.down_residual_rmsnorm(x, qw, resid, norm_w, 1e-6, out)
+            backend.synchronize()
     assert "residual_add_rmsnorm_f32_f16" in launched[True], f"the fold on launched {sorted(launched[True])}"
     assert "residual_add_rmsnorm_f32_f16" not in launched[False] and "rmsnorm_f32_f16" in launched[False], (
         f"the fold off launched {sorted(launched[False])}")
@@ -469,7 +477,7 @@ def test_attention_decode_with_more_splits_than_the_combine_has_threads(backend,
                         PagedCase.build(seed=L, L=L, T=1, nq=2, nkv=1, d=64, layout="shuffled"))
 
 
-FOLD_MAX_SPLITS = COMBINE["FOLD_MAX_SPLITS"]  # paged_attention_tc_fold_d<D>: the most splits its last block merges
+FOLD_MAX_SPLITS = CATALOG.FOLD_MAX_SPLITS  # paged_attention_tc_fold_d<D>: the most splits its last block merges
 
 
 @pytest.mark.parametrize("splits", (2, FOLD_MAX_SPLITS, FOLD_MAX_SPLITS + 1))
@@ -491,16 +499,8 @@ def _merged_by_the_kernel_itself(backend, case, kernel: str, merges: bool):
     """The decode of `case` three times in a row, each checked against the reference and with the first's
     bits; `kernel` and no attention_combine_f16 launched where it `merges`, the combine and not `kernel`
     elsewhere. Returns the output."""
-    from kernels.base import launch_observer, observe_launches
-
-    onward = launch_observer()
-    tee = _LaunchTee(onward)
-    observe_launches(tee)
-    try:
+    with _kernels_launched() as launched:
         outs = [check_attention(backend, "attention_decode", case)[0] for _ in range(3)]
-    finally:
-        observe_launches(onward)
-    launched = {u.split("::")[-1] for u in tee}
     assert (kernel in launched) == merges, f"{case}: launched {sorted(launched)}"
     assert ("attention_combine_f16" in launched) != merges, f"{case}: launched {sorted(launched)}"
     for again in outs[1:]:
@@ -509,7 +509,7 @@ def _merged_by_the_kernel_itself(backend, case, kernel: str, merges: bool):
     return outs[0]
 
 
-CLUSTER_SPLITS = COMBINE["CLUSTER_SPLITS"]  # paged_attention_tc_cluster_d<D>: its splits, one cluster
+CLUSTER_SPLITS = CATALOG.CLUSTER_SPLITS  # paged_attention_tc_cluster_d<D>: its splits, one cluster
 CLUSTER_MAX_PAGES = CATALOG.CLUSTER_MAX_PAGES  # the cluster kernel's page tables: two pages a warp at most
 
 
