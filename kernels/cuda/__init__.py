@@ -16,9 +16,10 @@ variant (threads and rows per block, or a tensor-core tiling). With T > 1 (prefi
 scaled per group or per row: the INT4 formats' wgmma kernel, the 8-bit formats' ring; or, as
 `prefill_variant` picks, the exact fp32 dequantization and one cuBLAS fp32 GEMM), then a shared epilogue
 kernel (epilogues.cu) runs. Attention with T = 1 splits the used pages evenly over a fixed number of
-blocks (computed on the device from the current length) and merges the splits in a fixed order
-(attention_combine_f16, or, as `attention_variant` picks, the attention kernel itself: its last block,
-or its thread block cluster; catalog.attention_plan lays out each launch); within a block, each warp
+blocks (computed on the device from the current length) and merges the splits in a fixed order: by
+default the splits are the blocks of one thread block cluster, which merge them after a cluster barrier
+where the page table is short enough (paged_attention_tc_cluster_d<D>), else attention_combine_f16 runs
+after the attention kernel (catalog.attention_plan lays out each launch); within a block, each warp
 owns whole pages in registers and runs both products of a page on the tensor cores
 (paged_attention_tc_d64/_d128, for head_dim 64 or 128 and up to 8 query heads per KV head;
 paged_attention_warp_d<D> does them on the CUDA cores; other layouts take paged_attention_f16). A
@@ -260,13 +261,16 @@ class CudaBackend(Backend):
         self.pages_per_split = pages_per_split
         self.sms = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["multiProcessorCount"]
         self.att_blocks = 2 * self.sms
-        self.attention_variant = "tc"  # one of ATTENTION_VARIANTS (bench and the variant tests set it)
+        # one of ATTENTION_VARIANTS (bench and the variant tests set it). "tc_cluster" measured 0.05 ms a
+        # decode step faster than "tc" at 512 keys, 7B (bench/NOTES.md v5, sixteenth step)
+        self.attention_variant = "tc_cluster"
         self.attention_prefill_variant = "wgmma"  # one of ATTENTION_PREFILL_VARIANTS
         self._att_smem_set: set[str] = set()  # the prefill attention kernels given their dynamic shared memory
         # rmsnorm: rows of up to RMS_HELD x its block held in registers (True), or its strided loop at any length
         self.rmsnorm_held = True
-        # rmsnorm's block for the one row of a decode step (T = 1): up to RMS_THREADS_ONE (its launch bounds)
-        self.rmsnorm_threads_one = RMS_THREADS_ONE
+        # rmsnorm's block for the one row of a decode step (T = 1): up to RMS_THREADS_ONE (its launch bounds).
+        # 256 measured 0.03 ms a decode step faster than 1024 at 7B (57 norms; bench/NOTES.md v5)
+        self.rmsnorm_threads_one = 256
         # the fused ops o_proj_residual_rmsnorm / down_residual_rmsnorm on the prefill path: the residual add
         # and the rmsnorm in one kernel (True, rmsnorm.cu residual_add_rmsnorm_f32_f16), or the two ops
         self.rmsnorm_fold = True
@@ -474,8 +478,6 @@ class CudaBackend(Backend):
             pl = self.scratch("att_l", (T, nq, splits), np.float32)
             pa = self.scratch("att_acc", (T, nq, splits, d), np.float32)
             args = (q, k_pages, v_pages, page_table, positions, out, pm, pl, pa)
-        if plan.counts:  # each launch's last block leaves its count 0 again
-            args += (self.scratch("att_arrived", (T, nkv), np.uint32, zeroed=True),)
         self._k[plan.kernel]((nkv, T, splits), (plan.threads,),
                              (*args, _i32(nq), _i32(nkv), _i32(d), _i32(plan.pages_per_split), _i32(max_pages),
                               np.float32(1.0 / np.sqrt(d))), shared_mem=plan.smem)

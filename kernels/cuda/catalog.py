@@ -127,24 +127,21 @@ ATT_THREADS, ATT_MAX_ITEMS = _ATT["ATT_THREADS"], _ATT["ATT_MAX_ITEMS"]  # paged
 ATT_WARPS, ATT_MAX_GROUP = _ATT["ATT_WARPS"], _ATT["ATT_MAX_GROUP"]  # paged_attention_warp_d<D>, _tc_d<D>
 ATT_WARP_HEAD_DIMS = (64, 128)
 COMBINE_THREADS, COMBINE_MAX_SPLITS = _ATT["COMBINE_THREADS"], _ATT["COMBINE_MAX_SPLITS"]  # attention_combine_f16
-FOLD_MAX_SPLITS = _ATT["FOLD_MAX_SPLITS"]  # paged_attention_tc_fold_d<D> merges up to this many splits itself
 CLUSTER_SPLITS, CLUSTER_WARPS = _ATT["CLUSTER_SPLITS"], _ATT["CLUSTER_WARPS"]  # paged_attention_tc_cluster_d<D>
 CLUSTER_MAX_PAGES = CLUSTER_SPLITS * CLUSTER_WARPS * 2  # the cluster kernel's page tables: two pages a warp at most
 SHARED_LIMIT = 48 * 1024  # static+dynamic shared memory without an opt-in attribute
 # "tc": paged_attention_tc_d<D> (both products of a page on the tensor cores) where the warp kernel
-# fits; "tc_fold": the same kernel whose last block of each KV head merges the splits
-# (paged_attention_tc_fold_d<D>, no attention_combine_f16 launch) for 2 .. FOLD_MAX_SPLITS splits, else "tc";
-# "tc_cluster": the same kernel (CLUSTER_WARPS warps a block) in CLUSTER_SPLITS splits of one thread block
-# cluster, merged by the cluster after one cluster barrier (paged_attention_tc_cluster_d<D>), for page tables
-# of up to CLUSTER_MAX_PAGES, else "tc"; "warp": paged_attention_warp_d<D> where it fits (head_dim 64 or 128, at most 8 query heads per
-# KV head); else, and for "block": paged_attention_f16 (the first kernel, kept for any shape)
-ATTENTION_VARIANTS = ("tc", "tc_fold", "tc_cluster", "warp", "block")
+# fits; "tc_cluster" (the default): the same kernel (CLUSTER_WARPS warps a block) in CLUSTER_SPLITS splits of
+# one thread block cluster, merged by the cluster after one cluster barrier (paged_attention_tc_cluster_d<D>,
+# no attention_combine_f16 launch), for page tables of up to CLUSTER_MAX_PAGES, else "tc"; "warp":
+# paged_attention_warp_d<D> where it fits (head_dim 64 or 128, at most 8 query heads per KV head); else, and
+# for "block": paged_attention_f16 (the first kernel, kept for any shape)
+ATTENTION_VARIANTS = ("tc", "tc_cluster", "warp", "block")
 # prefill (T > 1): "wgmma" attention_prefill_wg_d<D> (wgmma, 64 query rows and 64 keys a step) and "tc"
 # attention_prefill_tc_d<D> (mma.sync, 64 query rows, a page a step) where they fit (head_dim 64 or 128),
 # else what attention_variant picks; "warp" / "block" force those kernels
 ATTENTION_PREFILL_VARIANTS = ("wgmma", "tc", "warp", "block")
 # the kernels that merge their own splits, each to the kernel that runs in its place where it cannot
-FOLD_KERNELS = {f"paged_attention_tc_fold_d{d}": f"paged_attention_tc_d{d}" for d in ATT_WARP_HEAD_DIMS}
 CLUSTER_KERNELS = {f"paged_attention_tc_cluster_d{d}": f"paged_attention_tc_d{d}" for d in ATT_WARP_HEAD_DIMS}
 
 
@@ -156,14 +153,12 @@ class AttentionPlan(NamedTuple):
     smem: int  # dynamic shared memory, bytes
     threads: int
     merges: bool  # the kernel merges its splits itself (no attention_combine_f16 launch)
-    counts: bool  # ... by counting its blocks' arrivals (the fold: the launch passes the counts)
 
 
 def attention_kernel(variant: str, nq: int, nkv: int, d: int) -> str:
-    """The kernel `variant` names for this head layout ("tc": the tensor-core kernel, "tc_fold": the same
-    with the splits' merge in its last block, "tc_cluster": the same in one thread block cluster that
-    merges its splits, "warp": the warp-per-page kernel) where it fits, else paged_attention_f16. What a
-    launch runs also depends on its splits and pages: `attention_plan`."""
+    """The kernel `variant` names for this head layout ("tc": the tensor-core kernel, "tc_cluster": the same
+    in one thread block cluster that merges its splits, "warp": the warp-per-page kernel) where it fits,
+    else paged_attention_f16. What a launch runs also depends on its splits and pages: `attention_plan`."""
     if variant not in ATTENTION_VARIANTS:
         raise ValueError(f"attention_variant {variant!r} is not one of {ATTENTION_VARIANTS}")
     if variant != "block" and d in ATT_WARP_HEAD_DIMS and nq // nkv <= ATT_MAX_GROUP:
@@ -177,17 +172,15 @@ def attention_plan(variant: str, T: int, nq: int, nkv: int, d: int, max_pages: i
     over the pages; without it one block a (KV head, token) holds every page), with the backend's settings
     (`variant`, `pages_per_split`: None spreads the used pages over about `att_blocks` blocks, computed on
     the device from the current length): the kernel, its pages a split (0: that spread), the split count,
-    its dynamic shared memory, its block, and whether the kernel merges the splits itself: the fold, for 2
-    .. FOLD_MAX_SPLITS splits; the cluster kernel, CLUSTER_SPLITS splits over a page table of up to
-    CLUSTER_MAX_PAGES (or as many splits of `pages_per_split` as cover it). Where they cannot, their
-    variant runs "tc"'s kernel and attention_combine_f16 after it. ValueError for a layout or a split count
-    no kernel holds."""
+    its dynamic shared memory, its block, and whether the kernel merges the splits itself: the cluster
+    kernel, CLUSTER_SPLITS splits over a page table of up to CLUSTER_MAX_PAGES (or as many splits of
+    `pages_per_split` as cover it). Where it cannot, its variant runs "tc"'s kernel and
+    attention_combine_f16 after it. ValueError for a layout or a split count no kernel holds."""
     group = nq // nkv
     kernel = attention_kernel(variant, nq, nkv, d)
     if kernel in CLUSTER_KERNELS:
         if split and -(-max_pages // (pages_per_split or 2 * CLUSTER_WARPS)) <= CLUSTER_SPLITS:
-            return AttentionPlan(kernel, pages_per_split or 0, CLUSTER_SPLITS, 0, CLUSTER_WARPS * 32, merges=True,
-                                 counts=False)
+            return AttentionPlan(kernel, pages_per_split or 0, CLUSTER_SPLITS, 0, CLUSTER_WARPS * 32, merges=True)
         kernel = CLUSTER_KERNELS[kernel]
     warp = kernel != "paged_attention_f16"
     smem = 0
@@ -210,7 +203,4 @@ def attention_plan(variant: str, T: int, nq: int, nkv: int, d: int, max_pages: i
     if splits > COMBINE_MAX_SPLITS:
         raise ValueError(f"attention: {splits} splits exceed the combine kernel's {COMBINE_MAX_SPLITS} "
                          f"(raise pages_per_split)")
-    fold = kernel in FOLD_KERNELS
-    if fold and not 1 < splits <= FOLD_MAX_SPLITS:
-        kernel, fold = FOLD_KERNELS[kernel], False
-    return AttentionPlan(kernel, pps, splits, smem, ATT_WARPS * 32 if warp else ATT_THREADS, merges=fold, counts=fold)
+    return AttentionPlan(kernel, pps, splits, smem, ATT_WARPS * 32 if warp else ATT_THREADS, merges=False)

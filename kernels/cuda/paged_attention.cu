@@ -1055,157 +1055,28 @@ paged_attention_tc_d128(const f16_bits* q, const f16_bits* k_pages, const f16_bi
                             pages_per_split, max_pages, scale);
 }
 
-// ---- the splits merged by the last of them: paged_attention_tc_fold_d<D> (attention_variant "tc_fold") ------
-//
-// attention_tc_pages as above, then, instead of a second kernel (attention_combine_f16), the last block of a
-// (KV head, token) to finish merges that pair's splits for its `group` query heads. Why: at a short context
-// the combine's work is small (512 keys: 11 splits of 128 floats a head) and its cost is its launch,
-// the wait for the whole attention grid to end, and its own ramp: 73.7 us of a 2.036 ms decode step at
-// 512 keys, 7B (the step captured with it taken out, bench/NOTES.md v5). Here the merge starts in the block
-// that finishes last, as soon as it has counted itself.
-//
-// The count: `arrived[t * nkv + kvh]`, zero before the launch. Each thread fences its partial's stores
-// (store_split, gpu scope), the barrier waits for every thread's fence, and thread 0 adds 1 with acquire-
-// release semantics: the block whose add returns splits - 1 is the last, every other split's partial was
-// stored before its own add, and so before this one read the count. The last block sets the count back to 0
-// for the next launch (a captured graph replays this one with the same counts; no other block of this
-// launch touches it any more). The partials are read through L2 (ld.global.cg): they were written by other
-// SMs during this kernel, and neither the read-only path nor this SM's L1 may hold them.
-//
-// The merge's arithmetic has one fixed order whichever block comes last: the same result bit for bit.
-// Head g's max M over the splits that hold keys (l > 0), weights w_z = e^(m_z - M) (0 for an empty split),
-// L = sum of l_z w_z in z order; column c: sum of acc_z[c] w_z in z order, divided by L. The launcher runs
-// the fold for 2 .. FOLD_MAX_SPLITS splits (the weights in shared memory); more splits, or one, take the
-// plain kernel (and the combine kernel past one), where a single block's merge of many splits would be the
-// step's tail.
-#define FOLD_MAX_SPLITS 32
-template <int D>
-__device__ __forceinline__ void merge_in_the_last_split(const float* part_m, const float* part_l,
-                                                        const float* part_acc, unsigned* arrived,
-                                                        f16_bits* __restrict__ out, int nq, int nkv) {
-    constexpr int THREADS = ATT_WARPS * WARP;
-    __shared__ float Wf[ATT_MAX_GROUP][FOLD_MAX_SPLITS];  // m of (head g, split z), then its weight
-    __shared__ float Lf[ATT_MAX_GROUP][FOLD_MAX_SPLITS];  // l of (head g, split z)
-    __shared__ float Lg[ATT_MAX_GROUP];                   // head g's merged sum L
-    __shared__ int last;
-    const int kvh = blockIdx.x, t = blockIdx.y, splits = gridDim.z;
-    const int group = nq / nkv, tid = threadIdx.x;
-    if (splits == 1) return;  // the block wrote the normalised output itself
-
-    __threadfence();  // this thread's partial stores, visible at gpu scope before the count
-    __syncthreads();  // every thread's fence is done before thread 0 counts the block
-    if (tid == 0) {
-        unsigned* count = arrived + (size_t)t * nkv + kvh;
-        unsigned before;
-        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(count) : "memory");
-        last = before == (unsigned)(splits - 1);
-        if (last) *count = 0u;  // for the next launch
-    }
-    __syncthreads();  // `last` is published (and with it thread 0's acquire)
-    if (!last) return;
-
-    // head g's split z at p0 + g * splits + z: the group's heads kvh * group + g are consecutive in part_m
-    const size_t p0 = ((size_t)t * nq + (size_t)kvh * group) * splits;
-    for (int i = tid; i < group * splits; i += THREADS) {
-        Wf[i / splits][i % splits] = __ldcg(part_m + p0 + i);
-        Lf[i / splits][i % splits] = __ldcg(part_l + p0 + i);
-    }
-    __syncthreads();  // every split's m and l are in shared memory
-    if (tid < group) {  // head tid's weights and L, in z order
-        float M = neg_inf();
-        for (int z = 0; z < splits; ++z) M = Lf[tid][z] > 0.0f ? fmaxf(M, Wf[tid][z]) : M;
-        float L = 0.0f;
-        for (int z = 0; z < splits; ++z) {
-            const float w = Lf[tid][z] > 0.0f ? expf(Wf[tid][z] - M) : 0.0f;
-            Wf[tid][z] = w;
-            L = fmaf(Lf[tid][z], w, L);
-        }
-        Lg[tid] = L;
-    }
-    __syncthreads();  // the weights and the sums are in shared memory
-    // Four columns an item (16-byte loads: a split's D floats start 256-byte aligned), consecutive items on
-    // consecutive columns of one head, so a warp reads 512 contiguous bytes of a split. One block reads what
-    // the combine kernel spreads over nq blocks, so the loads of FOLD_Z splits of every item a thread owns are
-    // issued before any is used (ITEMS x FOLD_Z 16-byte loads in flight a thread), then summed in z order.
-    static_assert(ATT_MAX_GROUP * (D / 4) % THREADS == 0, "a whole number of items a thread");
-    constexpr int ITEMS = ATT_MAX_GROUP * (D / 4) / THREADS;  // 2 at D = 128, 1 at 64
-    constexpr int FOLD_Z = 8;
-    float4 A[ITEMS] = {};
-    for (int z0 = 0; z0 < splits; z0 += FOLD_Z) {
-        float4 v[ITEMS][FOLD_Z];
-#pragma unroll
-        for (int i = 0; i < ITEMS; ++i) {
-            const int item = tid + i * THREADS, g = item / (D / 4), c4 = item % (D / 4);
-            const float4* a = reinterpret_cast<const float4*>(part_acc + (p0 + (size_t)g * splits + z0) * D) + c4;
-#pragma unroll
-            for (int zz = 0; zz < FOLD_Z; ++zz)
-                v[i][zz] = g < group && z0 + zz < splits ? __ldcg(a + zz * (D / 4)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        }
-#pragma unroll
-        for (int i = 0; i < ITEMS; ++i) {
-            const int g = (tid + i * THREADS) / (D / 4);  // < ATT_MAX_GROUP: a whole number of items
-#pragma unroll
-            for (int zz = 0; zz < FOLD_Z; ++zz) {
-                if (z0 + zz < splits) {
-                    const float w = Wf[g][z0 + zz];
-                    A[i].x = fmaf(v[i][zz].x, w, A[i].x);
-                    A[i].y = fmaf(v[i][zz].y, w, A[i].y);
-                    A[i].z = fmaf(v[i][zz].z, w, A[i].z);
-                    A[i].w = fmaf(v[i][zz].w, w, A[i].w);
-                }
-            }
-        }
-    }
-#pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-        const int item = tid + i * THREADS, g = item / (D / 4), c4 = item % (D / 4);
-        if (g < group) {
-            f16_bits* o = out + ((size_t)t * nq + (size_t)kvh * group + g) * D + 4 * c4;
-            const float L = Lg[g];
-            o[0] = f2h(A[i].x / L);
-            o[1] = f2h(A[i].y / L);
-            o[2] = f2h(A[i].z / L);
-            o[3] = f2h(A[i].w / L);
-        }
-    }
-}
-
-extern "C" __global__ void __launch_bounds__(ATT_WARPS * WARP)
-paged_attention_tc_fold_d64(const f16_bits* q, const f16_bits* k_pages, const f16_bits* v_pages, const int* page_table,
-                            const int* positions, f16_bits* out, float* part_m, float* part_l, float* part_acc,
-                            unsigned* arrived, int nq, int nkv, int d, int pages_per_split, int max_pages,
-                            float scale) {
-    pdl_enter();  // common.cuh: q, the pages and the positions are earlier kernels' writes
-    attention_tc_pages<64>(q, k_pages, v_pages, page_table, positions, out, part_m, part_l, part_acc, nq, nkv,
-                           pages_per_split, max_pages, scale);
-    merge_in_the_last_split<64>(part_m, part_l, part_acc, arrived, out, nq, nkv);
-}
-extern "C" __global__ void __launch_bounds__(ATT_WARPS * WARP)
-paged_attention_tc_fold_d128(const f16_bits* q, const f16_bits* k_pages, const f16_bits* v_pages, const int* page_table,
-                             const int* positions, f16_bits* out, float* part_m, float* part_l, float* part_acc,
-                             unsigned* arrived, int nq, int nkv, int d, int pages_per_split, int max_pages,
-                             float scale) {
-    pdl_enter();  // common.cuh: q, the pages and the positions are earlier kernels' writes
-    attention_tc_pages<128>(q, k_pages, v_pages, page_table, positions, out, part_m, part_l, part_acc, nq, nkv,
-                            pages_per_split, max_pages, scale);
-    merge_in_the_last_split<128>(part_m, part_l, part_acc, arrived, out, nq, nkv);
-}
-
 // ---- the splits merged inside a thread block cluster: paged_attention_tc_cluster_d<D> ----------------
 // (attention_variant "tc_cluster")
 //
 // Hopper groups the CLUSTER_SPLITS blocks of a (KV head, token) into one cluster (`__cluster_dims__`: the
 // grid's z, the splits, is exactly one cluster), scheduled together on one GPC. Each block runs
-// attention_tc_pages as above with CLUSTER_WARPS warps (8: the cluster's 8 splits then hold 64 pages in
-// one round of a page a warp, as "tc"'s up to 66 splits of 4 warps do) and stores its split's partial; then one cluster barrier (arrive with
-// release, wait with acquire semantics at cluster scope: every block's partial stores happen before any
-// block's loads after it) replaces both the combine kernel's launch and the fold's fence and atomic, and
-// the merge is spread over the whole cluster: block r merges items r * THREADS + tid (an item is one column
-// of one query head), each thread's 3 x CLUSTER_SPLITS loads (m, l and the column of every split, through L2:
-// other SMs wrote them) in flight at once. Its arithmetic is the fold's, in the same order (max over the
-// splits holding keys, weights e^(m_z - M), L = sum l_z w_z and the column's sum acc_z w_z in z order, then
-// acc / L), so over the same spans (up to ATT_WARPS pages a split: a page a warp in both) both give the same
-// bits. The launcher runs it where no warp is given more than two pages (a page table of at most
+// attention_tc_pages as above with CLUSTER_WARPS warps (8: the cluster's 8 splits then hold 64 pages in one
+// round of a page a warp, as "tc"'s up to 66 splits of 4 warps do) and stores its split's partial; then one
+// cluster barrier (arrive with release, wait with acquire semantics at cluster scope: every block's partial
+// stores happen before any block's loads after it) replaces the combine kernel's launch, and the merge is
+// spread over the whole cluster: block r merges items r * THREADS + tid (an item is one column of one query
+// head), each thread's 3 x CLUSTER_SPLITS loads (m, l and the column of every split, through L2: other SMs
+// wrote them) in flight at once. One fixed order, whichever block finishes first: the max M over the splits
+// holding keys (l > 0), weights w_z = e^(m_z - M) (0 for an empty split), L = sum l_z w_z and the column's
+// sum acc_z w_z in z order, then acc / L.
+//
+// Why: at a short context the combine's work is small (512 keys, 7B: 11 splits of 128 floats a head) and
+// its cost is its launch, the wait for the whole attention grid to end and its own ramp. The cluster took
+// 0.05 ms off a 2.03 ms decode step (bench/NOTES.md v5, sixteenth step). A version whose last block to
+// finish merged the splits (a fence and an acquire-release count a KV head) measured 0.03 ms slower than
+// the combine, and was taken out.
+//
+// The launcher runs it where no warp is given more than two pages (a page table of at most
 // CLUSTER_SPLITS x CLUSTER_WARPS x 2 pages, the dynamic spread giving each split ceil(used / CLUSTER_SPLITS)),
 // else "tc" and the combine.
 #define CLUSTER_SPLITS 8

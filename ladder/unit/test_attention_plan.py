@@ -3,8 +3,7 @@
 
 The backend launches exactly what the plan says (CudaBackend._attention), so what is checked here is
 what a GPU would be asked to run: every page of the table in some split, no more splits than the combine
-kernel merges, the fold only for 2 .. FOLD_MAX_SPLITS splits, the cluster only with its CLUSTER_SPLITS
-splits over a table its warps hold, and, where a variant's own kernel cannot serve, exactly the plain
+kernel merges, the cluster kernel only with its CLUSTER_SPLITS splits over a table its warps hold, and, where a variant's own kernel cannot serve, exactly the plain
 tensor-core kernel's plan. The GPU-side cases (test_cuda_variants.py) then run those launches.
 """
 
@@ -18,7 +17,7 @@ from ladder.changes.sources import cuda_module
 
 CATALOG = cuda_module("catalog")
 VARIANTS = CATALOG.ATTENTION_VARIANTS
-FOLD_MAX, CLUSTER, CLUSTER_PAGES = CATALOG.FOLD_MAX_SPLITS, CATALOG.CLUSTER_SPLITS, CATALOG.CLUSTER_MAX_PAGES
+CLUSTER, CLUSTER_PAGES = CATALOG.CLUSTER_SPLITS, CATALOG.CLUSTER_MAX_PAGES
 COMBINE_MAX = CATALOG.COMBINE_MAX_SPLITS
 # head layouts (nq, nkv, d): the 7B's, the tiny coder's, 8 heads of 64 a KV head, and three the tensor-core
 # and warp kernels do not hold (9 heads a KV head, head_dim 96 and 256)
@@ -45,7 +44,7 @@ def test_every_plan_covers_its_pages_within_its_kernels_edges(variant, T, layout
         assert "exceed the combine kernel's" in str(e) or "accumulators" in str(e) or "shared memory" in str(e), e
         return
     own = CATALOG.attention_kernel(variant, nq, nkv, d)
-    plain = own.replace("_fold", "").replace("_cluster", "")
+    plain = own.replace("_cluster", "")
     assert plan.kernel in (own, plain), (variant, args, plan)
     assert 1 <= plan.splits <= COMBINE_MAX, (variant, args, plan)
     if not split:
@@ -53,25 +52,22 @@ def test_every_plan_covers_its_pages_within_its_kernels_edges(variant, T, layout
     if plan.pages_per_split:  # a fixed span: every page of the table in some split
         assert plan.splits * plan.pages_per_split >= max_pages, (variant, args, plan)
     assert plan.merges == (plan.kernel != plain), (variant, args, plan)
-    if plan.kernel in CATALOG.FOLD_KERNELS:
-        assert 2 <= plan.splits <= FOLD_MAX and plan.counts, (variant, args, plan)
     if plan.kernel in CATALOG.CLUSTER_KERNELS:
-        assert plan.splits == CLUSTER and not plan.counts, (variant, args, plan)
+        assert plan.splits == CLUSTER, (variant, args, plan)
         assert max_pages <= CLUSTER_PAGES if not plan.pages_per_split else True, (variant, args, plan)
-    if not plan.merges and own != plain:  # the fold's or the cluster's variant where its kernel cannot serve
+    if not plan.merges and own != plain:  # the cluster's variant where its kernel cannot serve
         assert plan == _plan("tc", *args), (variant, args, plan)
 
 
 @SOURCES
 @pytest.mark.parametrize("max_pages, want", [
     # the bench's cache at a 512-token prompt (512 + 128 new + 16 tokens: 41 pages): "tc" spreads them over
-    # 11 splits (no more than one page a warp), the fold merges those 11 itself, the cluster takes its 8
-    (41, {"tc": ("paged_attention_tc_d128", 11, False), "tc_fold": ("paged_attention_tc_fold_d128", 11, True),
+    # 11 splits (no more than one page a warp), the cluster takes its 8 and merges them itself
+    (41, {"tc": ("paged_attention_tc_d128", 11, False),
           "tc_cluster": ("paged_attention_tc_cluster_d128", CLUSTER, True)}),
-    # at 8192 (8336 tokens: 521 pages): 66 splits (2 blocks an SM of 132, over 4 KV heads), past the fold's
-    # 32 splits and the cluster's 128 pages, so both run "tc" and the combine
-    (521, {"tc": ("paged_attention_tc_d128", 66, False), "tc_fold": ("paged_attention_tc_d128", 66, False),
-           "tc_cluster": ("paged_attention_tc_d128", 66, False)}),
+    # at 8192 (8336 tokens: 521 pages): 66 splits (2 blocks an SM of 132, over 4 KV heads), past the
+    # cluster's 128 pages, so the cluster's variant runs "tc" and the combine
+    (521, {"tc": ("paged_attention_tc_d128", 66, False), "tc_cluster": ("paged_attention_tc_d128", 66, False)}),
 ])
 def test_the_7b_decode_on_an_h200_at_512_and_8192_keys(max_pages, want):
     """The decode step the bench times (28 query heads, 4 KV heads of 128; att_blocks 2 x 132 SMs; its cache
@@ -83,15 +79,15 @@ def test_the_7b_decode_on_an_h200_at_512_and_8192_keys(max_pages, want):
 
 
 @SOURCES
-def test_the_fold_and_the_cluster_at_their_edges():
-    """One page a split: the fold merges 2 and FOLD_MAX_SPLITS splits and hands one more to "tc"; a single
-    split merges nothing. The cluster's dynamic spread: a table of CLUSTER_MAX_PAGES pages runs it, one page
-    more does not; with a fixed span, as many splits as cover the table (up to CLUSTER_SPLITS)."""
-    fold = {n: _plan("tc_fold", 1, (28, 4, 128), n, True, 1, 264) for n in (1, 2, FOLD_MAX, FOLD_MAX + 1)}
-    assert [fold[n].merges for n in (1, 2, FOLD_MAX, FOLD_MAX + 1)] == [False, True, True, False]
-    assert fold[FOLD_MAX + 1] == _plan("tc", 1, (28, 4, 128), FOLD_MAX + 1, True, 1, 264)
+def test_the_cluster_at_its_edges():
+    """The cluster's dynamic spread: a table of one page and of CLUSTER_MAX_PAGES pages runs it, one page
+    more runs "tc" and the combine; with a fixed span, as many splits as cover the table (up to
+    CLUSTER_SPLITS); a prefill (no split) never runs it."""
+    assert _plan("tc_cluster", 1, (28, 4, 128), 1, True, None, 264).merges
     assert _plan("tc_cluster", 1, (28, 4, 128), CLUSTER_PAGES, True, None, 264).merges
-    assert not _plan("tc_cluster", 1, (28, 4, 128), CLUSTER_PAGES + 1, True, None, 264).merges
+    longer = _plan("tc_cluster", 1, (28, 4, 128), CLUSTER_PAGES + 1, True, None, 264)
+    assert longer == _plan("tc", 1, (28, 4, 128), CLUSTER_PAGES + 1, True, None, 264) and not longer.merges
+    assert not _plan("tc_cluster", 5, (28, 4, 128), 8, False, None, 264).merges
     spans = {pps: _plan("tc_cluster", 1, (28, 4, 128), 40, True, pps, 264).merges for pps in (4, 5, 6)}
     assert spans == {4: False, 5: True, 6: True}  # 40 pages: 10 spans of 4, 8 of 5, 7 of 6
 
@@ -100,6 +96,6 @@ def test_the_fold_and_the_cluster_at_their_edges():
 def test_a_split_count_past_the_combines_is_refused_in_words():
     """One page a split over COMBINE_MAX_SPLITS + 1 pages: no kernel merges that many (the cluster's variant
     falls back to "tc" and so to the combine), and the launcher says so instead of launching."""
-    for variant in ("tc", "tc_fold", "tc_cluster", "block"):
+    for variant in ("tc", "tc_cluster", "block"):
         with pytest.raises(ValueError, match=f"{COMBINE_MAX + 1} splits exceed the combine kernel's {COMBINE_MAX}"):
             _plan(variant, 1, (28, 4, 128), COMBINE_MAX + 1, True, 1, 264)

@@ -200,9 +200,9 @@ def test_cpu_path_does_not_import_cupy():
 # every kernel a decode step launches, besides the GEMVs (kernels/cuda/__init__.py, engine/cuda_graph.py)
 DECODE_STEP_KERNELS = ("embed_f16_f32", "rmsnorm_f32_f16", "rope_kv_write_f16", "paged_attention_f16",
                        "paged_attention_warp_d64", "paged_attention_warp_d128", "paged_attention_tc_d64",
-                       "paged_attention_tc_d128", "paged_attention_tc_fold_d64", "paged_attention_tc_fold_d128",
-                       "paged_attention_tc_cluster_d64", "paged_attention_tc_cluster_d128", "attention_combine_f16", "lm_head_f16_f32", "argmax_partial_f32",
-                       "argmax_f32_i32", "decode_advance_i32")
+                       "paged_attention_tc_d128", "paged_attention_tc_cluster_d64", "paged_attention_tc_cluster_d128",
+                       "attention_combine_f16", "lm_head_f16_f32", "argmax_partial_f32", "argmax_f32_i32",
+                       "decode_advance_i32")
 
 
 def test_every_kernel_of_a_decode_step_waits_for_its_predecessor():

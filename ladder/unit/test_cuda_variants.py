@@ -17,12 +17,11 @@
   blocks than tiles (tiles cut between two blocks; bit for bit one block a tile, and at the 7B qkv shape).
 - The Qwen2.5-Coder-7B shapes of the four ops (decode and a 64-token prefill); every prefill attention
   kernel (wgmma, tensor cores, warp, block) at its tile and page edges; every decode attention kernel (the
-  tensor-core one; the same with its splits merged by the last of them, or by its thread block cluster;
+  tensor-core one; the same in a thread block cluster that merges its splits;
   the warp-per-page one; paged_attention_f16) with fixed and dynamic split sizes (one page per split:
   splits past the length are empty; more used pages than splits; a page table far longer than the keys;
   more splits than the combine kernel has threads) and on every page edge, decode and prefill; the two
-  merges inside the kernel on, at and past their edges (the fold's most splits, the cluster's most pages),
-  launched three times in a row, and against each other bit for bit; head layouts the tensor-core and
+  cluster's merge on, at and past its edge (its most pages), launched three times in a row; head layouts the tensor-core and
   warp kernels do not hold going to paged_attention_f16 (a head_dim of 256: the combine's second pass over
   the columns); rmsnorm reading rows of a larger buffer, and on both sides of the row length it holds in
   registers (RMS_HELD elements a thread; longer rows take its loop), for the decode step's one row and a
@@ -48,7 +47,7 @@ from hypothesis import strategies as st
 
 import engine
 from engine.formats import get_format
-from fixtures.cases import PAGE_BOUNDARY_LENGTHS, PagedCase, quantizable_weight, rng_for
+from fixtures.cases import PAGE, PAGE_BOUNDARY_LENGTHS, PagedCase, quantizable_weight, rng_for
 from fixtures.strategies import edge_strata
 from kernels import FUSED_OPS
 from ladder.plugin import selected_formats
@@ -477,28 +476,19 @@ def test_attention_decode_with_more_splits_than_the_combine_has_threads(backend,
                         PagedCase.build(seed=L, L=L, T=1, nq=2, nkv=1, d=64, layout="shuffled"))
 
 
-FOLD_MAX_SPLITS = CATALOG.FOLD_MAX_SPLITS  # paged_attention_tc_fold_d<D>: the most splits its last block merges
-
-
-@pytest.mark.parametrize("splits", (2, FOLD_MAX_SPLITS, FOLD_MAX_SPLITS + 1))
-def test_the_fold_merges_up_to_its_most_splits_in_the_last_block_and_hands_more_to_the_combine(backend, splits):
-    """attention_variant "tc_fold" at one page a split (the last page part full): 2 and FOLD_MAX_SPLITS splits
-    are merged by the last block of each KV head to finish, with no attention_combine_f16 launch;
-    FOLD_MAX_SPLITS + 1 take the plain tensor-core kernel and the combine. Each case three times in a row,
-    right each time and with the same bits: the count each launch leaves must be 0 for the next, and the
-    merge's order must not depend on which block came last. The 7B head layout and 8 heads of 64."""
-    with _backend_setting(backend, pages_per_split=1, attention_variant="tc_fold"):
-        for nkv, ratio, d in ((4, 7, 128), (2, 8, 64)):
-            L = 16 * splits - 5
-            case = PagedCase.build(seed=L + d, L=L, T=1, nq=nkv * ratio, nkv=nkv, d=d, layout="shuffled")
-            assert len(case.page_table) == splits, case  # one page a split
-            _merged_by_the_kernel_itself(backend, case, f"paged_attention_tc_fold_d{d}", splits <= FOLD_MAX_SPLITS)
+def _table_of_used_pages(case: PagedCase) -> PagedCase:
+    """`case` with its page table cut to the pages its keys use. The launch plan goes by the table's width
+    (the engine's tables are as wide as a sequence may grow, fixed while a graph is captured), and a case's
+    table has spare entries past the used ones."""
+    used = -(-case.L // PAGE)
+    assert (case.page_table[used:] == -1).all(), case
+    return dataclasses.replace(case, page_table=case.page_table[:used])
 
 
 def _merged_by_the_kernel_itself(backend, case, kernel: str, merges: bool):
     """The decode of `case` three times in a row, each checked against the reference and with the first's
     bits; `kernel` and no attention_combine_f16 launched where it `merges`, the combine and not `kernel`
-    elsewhere. Returns the output."""
+    elsewhere."""
     with _kernels_launched() as launched:
         outs = [check_attention(backend, "attention_decode", case)[0] for _ in range(3)]
     assert (kernel in launched) == merges, f"{case}: launched {sorted(launched)}"
@@ -506,10 +496,8 @@ def _merged_by_the_kernel_itself(backend, case, kernel: str, merges: bool):
     for again in outs[1:]:
         assert np.array_equal(again.view(np.uint16), outs[0].view(np.uint16)), (
             f"{case}: a second launch of the same decode gave other bits")
-    return outs[0]
 
 
-CLUSTER_SPLITS = CATALOG.CLUSTER_SPLITS  # paged_attention_tc_cluster_d<D>: its splits, one cluster
 CLUSTER_MAX_PAGES = CATALOG.CLUSTER_MAX_PAGES  # the cluster kernel's page tables: two pages a warp at most
 
 
@@ -522,39 +510,18 @@ def test_the_cluster_merges_its_splits_up_to_two_pages_a_warp_and_hands_longer_t
     with _backend_setting(backend, pages_per_split=None, attention_variant="tc_cluster"):
         for nkv, ratio, d in ((4, 7, 128), (2, 8, 64)):
             L = 16 * pages - 3
-            case = PagedCase.build(seed=L + d, L=L, T=1, nq=nkv * ratio, nkv=nkv, d=d, layout="shuffled")
+            case = _table_of_used_pages(PagedCase.build(seed=L + d, L=L, T=1, nq=nkv * ratio, nkv=nkv, d=d,
+                                                        layout="shuffled"))
             assert len(case.page_table) == pages, case
             _merged_by_the_kernel_itself(backend, case, f"paged_attention_tc_cluster_d{d}", pages <= CLUSTER_MAX_PAGES)
-
-
-def test_the_fold_and_the_cluster_merge_the_same_splits_to_the_same_bits(backend):
-    """Both merge in one order (the max over the splits that hold keys, the weights, then the sums in split
-    order): over the same CLUSTER_SPLITS spans, each of at most ATT_WARPS pages (so that a page is its own
-    warp's in both, the cluster's extra warps empty and weighed 0), their outputs are equal bit for bit.
-    The 7B head layout, 500 keys (32 pages, 4 a split: the fold's dynamic spread held to CLUSTER_SPLITS
-    splits by att_blocks), and 40 keys in a page table of CLUSTER_SPLITS pages (3 used: one a split, the
-    last five splits empty; the fold at one page a split)."""
-    long = PagedCase.build(seed=500, L=500, T=1, nq=28, nkv=4, d=128, layout="shuffled")
-    short = PagedCase.build(seed=40, L=40, T=1, nq=28, nkv=4, d=128, layout="shuffled")
-    short = dataclasses.replace(short, page_table=np.concatenate(
-        [short.page_table, np.full(CLUSTER_SPLITS - len(short.page_table), -1, np.int32)]))
-    for case, fold in ((long, {"pages_per_split": None, "att_blocks": 4 * CLUSTER_SPLITS}),
-                       (short, {"pages_per_split": 1})):
-        with _backend_setting(backend, attention_variant="tc_fold", **fold):
-            folded = _merged_by_the_kernel_itself(backend, case, "paged_attention_tc_fold_d128", True)
-        with _backend_setting(backend, pages_per_split=None, attention_variant="tc_cluster"):
-            clustered = _merged_by_the_kernel_itself(backend, case, "paged_attention_tc_cluster_d128", True)
-        assert np.array_equal(folded.view(np.uint16), clustered.view(np.uint16)), (
-            f"{case}: the fold and the cluster merged the same splits to different bits")
 
 
 @pytest.mark.parametrize("variant", ATTENTION_VARIANTS)
 @pytest.mark.parametrize("L", PAGE_BOUNDARY_LENGTHS)
 def test_attention_variant_at_every_page_edge(backend, variant, L):
     """Each kernel, decode and a 5-token prefill chunk, on every page edge: a page that holds 1, 15 or
-    16 valid slots, on one warp or several. The variants that merge a decode's splits inside the kernel
-    (tc_fold, tc_cluster) are not prefill variants (a prefill has one split a block): theirs is the decode
-    case alone."""
+    16 valid slots, on one warp or several. The variant that merges a decode's splits inside the kernel
+    (tc_cluster) is not a prefill variant (a prefill has one split a block): its case is the decode alone."""
     prefill = variant in ATTENTION_PREFILL_VARIANTS
     with _backend_setting(backend, attention_variant=variant, **({"attention_prefill_variant": variant} if prefill else {})):
         for nkv, ratio, d in ((2, 2, 64), (4, 7, 128)):
@@ -608,7 +575,7 @@ def test_attention_prefill_kernels_are_causal_at_every_tile_and_page_edge(backen
             check_attention(backend, "attention_prefill", PagedCase.build(seed=100 + i, **kw))
 
 
-@pytest.mark.parametrize("variant", ("tc", "tc_fold", "tc_cluster", "warp"))
+@pytest.mark.parametrize("variant", ("tc", "tc_cluster", "warp"))
 @pytest.mark.parametrize("nq, nkv, d", [(18, 2, 64), (4, 2, 96), (2, 1, 32), (4, 2, 36), (2, 1, 256)])
 def test_attention_layouts_the_warp_kernel_does_not_hold_take_the_block_kernel(backend, variant, nq, nkv, d):
     """9 query heads per KV head, or a head_dim other than 64 and 128: the registers of the tensor-core and
@@ -627,11 +594,12 @@ RMS = CATALOG.defines("rmsnorm.cu")  # rmsnorm_f32_f16: elements a thread holds,
 
 
 @pytest.mark.parametrize("held", [True, False], ids=["held", "loop"])
-@pytest.mark.parametrize("T,threads", [(1, None), (1, 128), (3, RMS["RMS_THREADS"])], ids=["decode", "decode128", "prefill"])
+@pytest.mark.parametrize("T,threads", [(1, None), (1, 128), (1, RMS["RMS_THREADS_ONE"]), (3, RMS["RMS_THREADS"])],
+                         ids=["decode", "decode128", "decode_most", "prefill"])
 def test_rmsnorm_on_both_sides_of_the_row_it_holds_in_registers(backend, T, threads, held):
     """Rows of RMS_HELD x threads elements or fewer are held in registers, longer ones take the loop:
     one short of, on and one past that length, with the block the launcher gives T rows (a decode row:
-    the backend's `rmsnorm_threads_one`, as shipped and at 128); and the same lengths with `rmsnorm_held`
+    the backend's `rmsnorm_threads_one`, as shipped, at 128 and at its most, RMS_THREADS_ONE); and the same lengths with `rmsnorm_held`
     off (the loop at every length, the path the bench times it against)."""
     knob = {"rmsnorm_held": held} if hasattr(backend, "rmsnorm_held") or not held else {}  # one rmsnorm: held runs it
     if T == 1 and hasattr(backend, "rmsnorm_threads_one"):
@@ -729,10 +697,9 @@ def test_a_kept_decode_graph_replays_after_off_and_on_and_is_captured_again_for_
 @pytest.mark.parametrize("variant", ATTENTION_VARIANTS)
 def test_the_captured_decode_step_replays_each_attention_variant_with_eager_bits(backend, model_path, variant):
     """Each decode-attention variant inside the captured step, where its kernel is launched with
-    programmatic dependent launch (eager launches never are), and replayed: the fold's counts must be 0
-    again at each replay and the cluster's barrier must hold under the overlap. A cache of 512 tokens (32
-    pages: 8 splits a KV head, merged by the fold's last block or the cluster), three decode steps: the graph's
-    logits are the eager steps' bit for bit."""
+    programmatic dependent launch (eager launches never are), and replayed: the cluster's barrier must hold
+    under the overlap. A cache of 512 tokens (32 pages: 8 splits a KV head, merged by the cluster), three
+    decode steps: the graph's logits are the eager steps' bit for bit."""
     if not backend.supports_graphs:
         pytest.skip("the backend does not capture graphs")
     prompt = list(range(3, 40))
