@@ -17,13 +17,13 @@
   blocks than tiles (tiles cut between two blocks; bit for bit one block a tile, and at the 7B qkv shape).
 - The Qwen2.5-Coder-7B shapes of the four ops (decode and a 64-token prefill); every prefill attention
   kernel (wgmma, tensor cores, warp, block) at its tile and page edges; every decode attention kernel (the
-  tensor-core one; the same in a thread block cluster that merges its splits;
-  the warp-per-page one; paged_attention_f16) with fixed and dynamic split sizes (one page per split:
-  splits past the length are empty; more used pages than splits; a page table far longer than the keys;
-  more splits than the combine kernel has threads) and on every page edge, decode and prefill; the two
-  cluster's merge on, at and past its edge (its most pages), launched three times in a row; head layouts the tensor-core and
-  warp kernels do not hold going to paged_attention_f16 (a head_dim of 256: the combine's second pass over
-  the columns); rmsnorm reading rows of a larger buffer, and on both sides of the row length it holds in
+  tensor-core one; the same in a thread block cluster that merges its splits; the warp-per-page one;
+  paged_attention_f16) with fixed and dynamic split sizes (one page per split: splits past the length are
+  empty; more used pages than splits; a page table far longer than the keys; more splits than the combine
+  kernel has threads) and on every page edge, decode and prefill; the cluster's merge on, at and past its
+  edge (its most pages), launched three times in a row; head layouts the tensor-core and warp kernels do
+  not hold going to paged_attention_f16 (a head_dim of 256: the combine's second pass over the columns);
+  rmsnorm reading rows of a larger buffer, and on both sides of the row length it holds in
   registers (RMS_HELD elements a thread; longer rows take its loop), for the decode step's one row and a
   prefill's rows; the residual ops fused with the rmsnorm after them on the prefill path, on both sides of
   that row length, bit for bit as their two ops, and run as their one kernel under the rungs' call
@@ -599,8 +599,8 @@ RMS = CATALOG.defines("rmsnorm.cu")  # rmsnorm_f32_f16: elements a thread holds,
 def test_rmsnorm_on_both_sides_of_the_row_it_holds_in_registers(backend, T, threads, held):
     """Rows of RMS_HELD x threads elements or fewer are held in registers, longer ones take the loop:
     one short of, on and one past that length, with the block the launcher gives T rows (a decode row:
-    the backend's `rmsnorm_threads_one`, as shipped, at 128 and at its most, RMS_THREADS_ONE); and the same lengths with `rmsnorm_held`
-    off (the loop at every length, the path the bench times it against)."""
+    the backend's `rmsnorm_threads_one`, as shipped, at 128 and at its most, RMS_THREADS_ONE); and the same
+    lengths with `rmsnorm_held` off (the loop at every length, the path the bench times it against)."""
     knob = {"rmsnorm_held": held} if hasattr(backend, "rmsnorm_held") or not held else {}  # one rmsnorm: held runs it
     if T == 1 and hasattr(backend, "rmsnorm_threads_one"):
         threads = threads or backend.rmsnorm_threads_one
