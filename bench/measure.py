@@ -299,7 +299,7 @@ def sweep_attention(model, seq, token):
     for var in ATTENTION_VARIANTS:
         be.attention_variant = var
         plan = be.attention_plan(1, c.num_attention_heads, c.num_key_value_heads, c.head_dim, seq.page_table.shape[0], True)
-        result[var] = {**timed(), "kernel": plan.kernel + ("" if plan.merges or plan.splits == 1 else " + attention_combine_f16")}
+        result[var] = {**timed(), "kernel": plan.kernel + (" + attention_combine_f16" if plan.combines else "")}
     best = min((v for v in ATTENTION_VARIANTS if result[v]["ok"]), key=lambda v: result[v]["ms"], default=default)
     be.attention_variant = best
     shipped, budgets = be.att_blocks, {}

@@ -481,7 +481,7 @@ class CudaBackend(Backend):
         self._k[plan.kernel]((nkv, T, splits), (plan.threads,),
                              (*args, _i32(nq), _i32(nkv), _i32(d), _i32(plan.pages_per_split), _i32(max_pages),
                               np.float32(1.0 / np.sqrt(d))), shared_mem=plan.smem)
-        if splits > 1 and not plan.merges:
+        if plan.combines:
             self._k["attention_combine_f16"]((nq, T), (COMBINE_THREADS,), (pm, pl, pa, out, _i32(nq), _i32(d), _i32(splits)))
 
     def attention_prefill(self, q, k_pages, v_pages, page_table, positions, out):

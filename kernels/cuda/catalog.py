@@ -154,6 +154,11 @@ class AttentionPlan(NamedTuple):
     threads: int
     merges: bool  # the kernel merges its splits itself (no attention_combine_f16 launch)
 
+    @property
+    def combines(self) -> bool:
+        """attention_combine_f16 runs after the kernel: more than one split, and the kernel does not merge them."""
+        return self.splits > 1 and not self.merges
+
 
 def attention_kernel(variant: str, nq: int, nkv: int, d: int) -> str:
     """The kernel `variant` names for this head layout ("tc": the tensor-core kernel, "tc_cluster": the same

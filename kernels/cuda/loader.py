@@ -36,8 +36,8 @@ MODULES = tuple(sorted(p.stem for p in HERE.glob("*.cu")))
 OPTIONS = ("-std=c++17", "--gpu-architecture=sm_90a")
 _INCLUDE = re.compile(r'^[ \t]*#include[ \t]+"([\w.]+\.cuh)"[ \t]*$', re.M)
 _PRAGMA_ONCE = re.compile(r"^[ \t]*#pragma[ \t]+once[ \t]*$", re.M)
-# an entry point's name, after its attributes (`__launch_bounds__(N)`, `__cluster_dims__(X, Y, Z)`)
-_ENTRY = re.compile(r'extern "C" __global__ void(?:\s+__\w+__\([^)]*\))*\s+(\w+)\s*\(')
+# an entry point: its attributes (`__launch_bounds__(N)`, `__cluster_dims__(X, Y, Z)`), then its name
+_ENTRY = re.compile(r'extern "C" __global__ void((?:\s+__\w+__\([^)]*\))*)\s+(\w+)\s*\(')
 
 _CACHE: dict = {}  # kernel name -> Entry
 
@@ -96,7 +96,12 @@ def source(module: str) -> str:
 
 
 def entry_points(module: str) -> list[str]:
-    return _ENTRY.findall((HERE / f"{module}.cu").read_text())
+    return [m.group(2) for m in _ENTRY.finditer((HERE / f"{module}.cu").read_text())]
+
+
+def entry_attributes(module: str) -> dict[str, str]:
+    """Each entry point of `module`.cu -> the attributes written between `void` and its name ("" for none)."""
+    return {m.group(2): m.group(1).strip() for m in _ENTRY.finditer((HERE / f"{module}.cu").read_text())}
 
 
 def duplicate_entry_points() -> dict[str, list[str]]:
@@ -186,7 +191,7 @@ def waiting_in(cuda_source: str) -> set[str]:
     for m in _ENTRY.finditer(text):
         body = _body(text, text.index("{", m.end()))
         if any(c in waits for c in _CALL.findall(body)):
-            found.add(m.group(1))
+            found.add(m.group(2))
     return found
 
 

@@ -11,8 +11,8 @@
 //
 // splits == 1: the block writes the normalised output. splits > 1 (decode, long caches): block z covers
 // pages [z * pages_per_split, (z + 1) * pages_per_split) and writes its partial (m, l, acc) to scratch;
-// attention_combine merges the splits in a fixed order (deterministic; no atomics), or, in the variants at
-// the end of this file, the attention kernel merges them itself (its last block, or its cluster). The split count
+// attention_combine merges the splits in a fixed order (deterministic; no atomics), or, in the variant at
+// the end of this file, the blocks of one thread block cluster merge them themselves. The split count
 // (the grid) is fixed when the launch is recorded, so a captured graph stays valid as the sequence
 // grows; splits past the length write an empty partial (l = 0). With pages_per_split <= 0 the span is
 // computed on the device from the current length, ceil(used pages / splits), so the work spreads over

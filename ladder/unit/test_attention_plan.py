@@ -3,8 +3,8 @@
 
 The backend launches exactly what the plan says (CudaBackend._attention), so what is checked here is
 what a GPU would be asked to run: every page of the table in some split, no more splits than the combine
-kernel merges, the cluster kernel only with its CLUSTER_SPLITS splits over a table its warps hold, and, where a variant's own kernel cannot serve, exactly the plain
-tensor-core kernel's plan. The GPU-side cases (test_cuda_variants.py) then run those launches.
+kernel merges, the cluster kernel only with its CLUSTER_SPLITS splits over a table its warps hold, and,
+where a variant's own kernel cannot serve, exactly the plain tensor-core kernel's plan. The GPU-side cases (test_cuda_variants.py) then run those launches.
 """
 
 from __future__ import annotations

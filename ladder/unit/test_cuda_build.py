@@ -166,13 +166,10 @@ def _every_unbounded_entry_point_fits_any_block(module: str, ptx: Path, arch: st
             entry = m.group(1)
         elif (m := re.search(r"Used (\d+) registers", line)) and entry:
             used[entry], entry = int(m.group(1)), None
-    src = LOADER.source(module)
-    for name in LOADER.entry_points(module):
-        # its attributes (`__launch_bounds__(N)`, `__cluster_dims__(X, Y, Z)`) between `void` and the name
-        definition = re.search(rf'extern "C"\s+__global__\s+void\s+((?:__\w+__\([^)]*\)\s+)*){name}\s*\(', src)
-        assert definition, f"{module}.cu: the definition of {name} not found"
+    # each entry point's attributes (`__launch_bounds__(N)`, `__cluster_dims__(X, Y, Z)`) as the loader reads them
+    for name, attributes in LOADER.entry_attributes(module).items():
         assert name in used, f"ptxas reported no registers for {name} ({module}.cu)"
-        if "__launch_bounds__" not in definition.group(1):
+        if "__launch_bounds__" not in attributes:
             assert used[name] * MAX_BLOCK <= REGISTER_FILE, (
                 f"{module}.cu: {name} uses {used[name]} registers a thread and declares no __launch_bounds__: "
                 f"a block of {MAX_BLOCK} threads would not launch; declare the block it is launched with")
