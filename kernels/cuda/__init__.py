@@ -64,6 +64,7 @@ LINEARS = {name: mod.LINEAR for name, mod in _LAUNCHERS.items()}
 DEFAULT_PREFILL = {name: mod.DEFAULT_PREFILL for name, mod in _LAUNCHERS.items() if hasattr(mod, "DEFAULT_PREFILL")}
 _LM = catalog.defines("embed_lmhead_argmax.cu")  # the kernels' own tiling: one reading, not a copy
 LM_WARPS, LM_ROWS = _LM["LM_WARPS"], _LM["LM_ROWS"]
+ARGMAX_THREADS = _LM["ARGMAX_THREADS"]  # both argmax kernels' block: block_argmax's warp 0 takes one winner a warp
 _ATT = catalog.defines("paged_attention.cu")
 _RMS = catalog.defines("rmsnorm.cu")
 RMS_THREADS, RMS_THREADS_ONE = _RMS["RMS_THREADS"], _RMS["RMS_THREADS_ONE"]  # rmsnorm_f32_f16's block, T > 1 / T = 1
@@ -535,10 +536,10 @@ class CudaBackend(Backend):
         _need(logits, np.float32, "logits"), _need(out, np.int32, "out")
         V = logits.size
         if V <= 32768:
-            self._k["argmax_f32_i32"]((1,), (1024,), (logits, np.uint64(0), out, _i32(V)))  # null part_i
+            self._k["argmax_f32_i32"]((1,), (ARGMAX_THREADS,), (logits, np.uint64(0), out, _i32(V)))  # null part_i
             return
-        nb = min(132, -(-V // 1024))
+        nb = min(132, -(-V // ARGMAX_THREADS))
         pv = self.scratch("argmax_v", (nb,), np.float32)
         pi = self.scratch("argmax_i", (nb,), np.int32)
-        self._k["argmax_partial_f32"]((nb,), (1024,), (logits, pv, pi, _i32(V)))
-        self._k["argmax_f32_i32"]((1,), (1024,), (pv, pi, out, _i32(nb)))
+        self._k["argmax_partial_f32"]((nb,), (ARGMAX_THREADS,), (logits, pv, pi, _i32(V)))
+        self._k["argmax_f32_i32"]((1,), (ARGMAX_THREADS,), (pv, pi, out, _i32(nb)))

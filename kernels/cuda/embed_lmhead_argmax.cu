@@ -64,6 +64,8 @@ __device__ __forceinline__ bool argmax_better(float v, int i, float bv, int bi) 
     return v > bv;
 }
 
+// Both argmax kernels' block (the launcher reads it from here). block_argmax is written for any block of
+// up to WARP warps (a lane past the block's warps takes an empty candidate), but only this one is launched.
 #define ARGMAX_THREADS 1024
 
 // The winner of one block's candidates (value, index) -> lane 0 of warp 0. Every thread must call it.
