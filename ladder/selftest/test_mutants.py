@@ -418,6 +418,46 @@ def test_a_survivor_s_second_look_kills_it_under_the_tool_that_reports_and_says_
     assert w.second_look(ids) == {}
 
 
+# A stand-in that reports an error under the tools FLAGGED only for the op sweep (a run whose arguments hold
+# $SWEEP_MARK); it logs each run it lets through to $RUNS and runs the sweep, not the cases (the first test
+# above runs those: here only the order and the verdicts matter).
+SWEEP_SANITIZER = """#!/bin/sh
+tool=$2; code=$4; shift 6
+case "$*" in *"$SWEEP_MARK"*) case " $FLAGGED " in *" $tool "*) echo "========= Invalid __global__ read"; exit $code;; esac;; esac
+echo "$tool $*" >> "$RUNS"
+case "$*" in *"$SWEEP_MARK"*) exec "$@";; esac
+echo "1 passed"
+"""
+
+
+def test_a_second_look_starts_with_the_op_sweep_and_a_sweep_report_kills_before_any_case_runs(tmp_path):
+    """The sweep (bench/sanitize.py's ops child: every op at its edges, seconds under a tool) goes first, under
+    each tool, then the survivor's unit cases: an over-read that only an edge shape reaches is reported
+    without waiting on minutes of cases under memcheck."""
+    from bench.sanitize import parse_args
+    from ladder.tools.mutate import SWEEPS, Worker
+
+    assert SWEEPS["cuda"][:2] == ("-m", "bench.sanitize") and parse_args(list(SWEEPS["cuda"][2:])).child == "ops"
+    fake = tmp_path / "compute-sanitizer"
+    fake.write_text(SWEEP_SANITIZER)
+    fake.chmod(0o755)
+    runs = tmp_path / "runs"
+    w = Worker(tmp_path / "copy", 0, "numpy", ["unit"], None, [], {}, {}, child_env("numpy", pythonpath=str(ROOT)), [])
+    assert w.sweep is None  # a host backend has none: its second look is the cases alone (tests above)
+    w.sanitizer = str(fake)
+    w.sweep = ("-c", "print('op-sweep')")  # stands in for SWEEPS["cuda"]
+    w.env.update(SWEEP_MARK="op-sweep", RUNS=str(runs), FLAGGED="memcheck")
+    ids = ["ladder/unit/test_format_int4.py::test_weights_the_format_cannot_hold_are_refused"]
+    assert w.second_look(ids) == {"caught_by": "memcheck, in the op sweep"}
+    assert not runs.exists()  # caught at the first part: no case ran
+    w.env["FLAGGED"] = ""
+    assert w.second_look(ids) == {"second_look": "memcheck sweep clean, racecheck sweep clean, "
+                                                 "memcheck cases clean, racecheck cases clean"}
+    order = [(line.split()[0], "op-sweep" in line) for line in runs.read_text().splitlines()]
+    assert order == [("memcheck", True), ("racecheck", True), ("memcheck", False), ("racecheck", False)]
+    assert w.second_look([]) == {"second_look": "memcheck sweep clean, racecheck sweep clean"}  # no unit case: the sweep
+
+
 # A stand-in whose verdict depends on the tree: under the tools FLAGGED it reports an error (exit N) while
 # the file $MARK exists (the mutant is written), and under the tools FAILING a case fails (exit 1) whatever
 # the tree holds (a case that cannot pass under the tool, like one measuring CuPy's pool); else the cases

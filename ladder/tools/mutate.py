@@ -74,11 +74,18 @@ TREE = ("engine", "kernels", "ladder", "reference", "fixtures", "bench", "confte
 DEFAULT_FILES = {"numpy": ("kernels/numpy/*.py",), "cuda": ("kernels/cuda/*.cu", "kernels/cuda/*.cuh")}
 START_ALLOWANCE, HANG_FACTOR = 60.0, 3.0  # the automatic timeout: 60 s + the cases' own limits (below)
 CASE_ALLOWANCE = 20.0  # the watchdog: a case hangs past 20 s + 3x its clean time (the first one compiles the mutant)
-# The second look at a survivor of a device backend: its unit-rung cases again under each tool, in a fresh
-# process (the fork server's children share its CUDA state), with a limit of SANITIZER_FACTOR x the
-# automatic timeout (memcheck slows a kernel 10 to 100 times).
+# The second look at a survivor of a device backend, each part in a fresh process (the fork server's children
+# share its CUDA state): first the backend's op sweep under each tool, then its unit-rung cases under each,
+# with a limit of SANITIZER_FACTOR x the automatic timeout (memcheck slows a kernel 10 to 100 times).
 SECOND_LOOK = ("memcheck", "racecheck")
 SANITIZER_FACTOR = 4.0
+# The sweep: bench/sanitize.py's `ops` child, every op of the backend once at its edges (GEMV tails, the
+# lm_head's partial warp, attention over NaN-filled free pages) on explicit inputs, each its own allocation.
+# Seconds under memcheck (2 to 18 s on an H200), where a survivor's unit cases can take minutes: on tree
+# 476c9d6 it flagged the lm_head row clamp `V - 1 -> V - 0` (a survivor of a nightly's rotating sample whose
+# cases ran out of the sample's time) and the GEMV group clamp `groups - 1 -> groups - 0` in 5 and 18 s.
+SWEEPS = {"cuda": ("-m", "bench.sanitize", "--child", "ops")}
+SWEEP_LIMIT = 180.0
 # seconds of --within kept for what its clock does not see or comes after the cut: the interpreter's start
 # and imports, stopping the workers, writing the report (on an H200 the nightly's samples, with 5 s kept,
 # ended 8 s past their --within)
@@ -237,7 +244,8 @@ class Worker:
         self.server = None
         self.stop_at = None  # perf_counter time of the run's hard stop (--budget), if any
         self.sanitizer = None  # compute-sanitizer, for the second look at a survivor (device backends)
-        self._unmutated_looks: dict[tuple, bool] = {}  # (tool, case ids) -> they fail under it unmutated too
+        self.sweep = SWEEPS.get(backend)  # the op sweep the second look starts with (python arguments), if any
+        self._unmutated_looks: dict[tuple, bool] = {}  # (tool, argv) -> it fails under the tool unmutated too
 
     def _start(self):
         self.server = subprocess.Popen([sys.executable, "-m", "ladder.tools.forkserver",
@@ -315,48 +323,56 @@ class Worker:
             path.write_text(original)
 
     def second_look(self, ids: list[str], unmutated=None) -> dict:
-        """A survivor's unit-rung cases again under compute-sanitizer, each tool of SECOND_LOOK in turn, in a
-        fresh process with CuPy's memory pool off (ladder/tools/sanitizer.py): a write past an output, a read
-        past a weight's last row or a missing barrier changes no value the checks compare, but the tools see
-        it. {"caught_by": tool} when a tool reports an error, or a case fails under it (an over-read that
-        met real garbage instead of pooled zeros); {"second_look": what ran} otherwise; {} when there is no
-        sanitizer (a host backend) or no unit case.
+        """A survivor again under compute-sanitizer, in fresh processes with CuPy's memory pool off
+        (ladder/tools/sanitizer.py): first the backend's op sweep (SWEEPS) under each tool of SECOND_LOOK, then
+        its unit-rung cases under each, cheapest first. A write past an output, a read past a weight's last row
+        or a missing barrier changes no value the checks compare, but the tools see it. {"caught_by": tool}
+        when a tool reports an error, or a case fails under it (an over-read that met real garbage instead of
+        pooled zeros); {"second_look": what ran} otherwise; {} when there is no sanitizer (a host backend) or
+        nothing to run.
 
         `unmutated`: a context manager factory under which the tree holds the original source. A tool's
-        verdict against the mutant counts only where the same cases pass under it unmutated: a case that
+        verdict against the mutant counts only where the same run passes under it unmutated: a case that
         cannot pass under the tool at all (one that measures CuPy's pool, which the look turns off) would
-        otherwise call every survivor whose cases include it caught. Asked once per tool and case list."""
-        if not self.sanitizer or not ids:
+        otherwise call every survivor whose cases include it caught. Asked once per tool and run."""
+        if not self.sanitizer:
             return {}
+        parts = []  # (tool, "sweep" | "cases", python arguments, limit or None for the cases' own)
+        if self.sweep:
+            parts += [(tool, "sweep", list(self.sweep), SWEEP_LIMIT) for tool in SECOND_LOOK]
+        if ids:
+            argv = ["-m", "pytest", *ids, *_rung_args("unit", self.dir, self.backend, ["-x", "-p", "no:xdist", *self.extra])]
+            parts += [(tool, "cases", argv, SANITIZER_FACTOR * self.timeout_for("unit", ids)) for tool in SECOND_LOOK]
         looked = []
-        for tool in SECOND_LOOK:
-            limit = SANITIZER_FACTOR * self.timeout_for("unit", ids)
+        for tool, what, argv, limit in parts:
             if self.stop_at is not None:
                 limit = min(limit, self.stop_at - time.perf_counter())
                 if limit <= 0:
                     break
-            verdict = self._look(tool, ids, limit)
+            name = f"{tool} {'sweep' if what == 'sweep' else 'cases'}" if self.sweep else tool
+            verdict = self._look(tool, argv, limit)
             if verdict is None:
-                looked.append(f"{tool} past {limit:.0f} s (no verdict)")
+                looked.append(f"{name} past {limit:.0f} s (no verdict)")
                 continue
             if verdict == "clean":
-                looked.append(f"{tool} clean")
+                looked.append(f"{name} clean")
                 continue
-            if unmutated is not None and self._fails_unmutated(tool, ids, limit, unmutated):
-                looked.append(f"{tool}: the cases fail under it unmutated too (no verdict)")
+            if unmutated is not None and self._fails_unmutated(tool, argv, limit, unmutated):
+                looked.append(f"{name}: {'it fails' if what == 'sweep' else 'the cases fail'} under it unmutated too "
+                              f"(no verdict)")
                 continue
-            return {"caught_by": tool if verdict == "error" else f"{tool} (a case failed under it)"}
+            if verdict == "error":
+                return {"caught_by": f"{tool}, in the op sweep" if what == "sweep" else tool}
+            return {"caught_by": f"{tool} ({'the op sweep' if what == 'sweep' else 'a case'} failed under it)"}
         return {"second_look": ", ".join(looked)} if looked else {}
 
-    def _look(self, tool: str, ids: list[str], limit: float) -> str | None:
-        """The unit cases `ids` under `tool`, the pool off: "clean", "error" (the tool reported one),
-        "failed" (a case failed under it), or None (past `limit`)."""
+    def _look(self, tool: str, argv: list[str], limit: float) -> str | None:
+        """`python argv` under `tool`, the pool off: "clean", "error" (the tool reported one), "failed" (a case
+        or a check failed under it), or None (past `limit`)."""
         from ladder.tools.sanitizer import ERROR_EXIT, POOL_VARIABLE, command
 
-        argv = [sys.executable, "-m", "pytest", *ids, *_rung_args("unit", self.dir, self.backend,
-                                                                  ["-x", "-p", "no:xdist", *self.extra])]
         with open(self.log, "w") as out:
-            proc = subprocess.Popen(command(self.sanitizer, tool, *argv, print_limit=5), cwd=self.dir,
+            proc = subprocess.Popen(command(self.sanitizer, tool, sys.executable, *argv, print_limit=5), cwd=self.dir,
                                     env={**self.env, POOL_VARIABLE: "0"}, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)
             try:
@@ -369,13 +385,13 @@ class Worker:
             return "error"
         return "clean" if code in (0, 5) else "failed"
 
-    def _fails_unmutated(self, tool: str, ids: list[str], limit: float, unmutated) -> bool:
-        """Whether `ids` also fail (or report) under `tool` with the original source; past `limit`, taken as
-        passing (the mutant's verdict stands)."""
-        key = (tool, tuple(ids))
+    def _fails_unmutated(self, tool: str, argv: list[str], limit: float, unmutated) -> bool:
+        """Whether `python argv` also fails (or reports) under `tool` with the original source; past `limit`,
+        taken as passing (the mutant's verdict stands)."""
+        key = (tool, tuple(argv))
         if key not in self._unmutated_looks:
             with unmutated():
-                self._unmutated_looks[key] = self._look(tool, ids, limit) not in ("clean", None)
+                self._unmutated_looks[key] = self._look(tool, argv, limit) not in ("clean", None)
         return self._unmutated_looks[key]
 
     def timeout_for(self, rung: str, ids: list[str]) -> float:

@@ -126,8 +126,9 @@ def markdown(report: dict) -> str:
     caught = [r for r in report["mutants"] if r.get("caught_by")]
     if caught or any(r.get("second_look") for r in survivors):
         lines += ["", f"## Caught by the second look ({len(caught)}, counted as killed)", "",
-                  "Each survivor's unit-rung cases ran again under compute-sanitizer memcheck and racecheck, CuPy's "
-                  "memory pool off: a memory error or a race no value check could see.", ""]
+                  "Each survivor ran again under compute-sanitizer memcheck and racecheck, CuPy's memory pool off: "
+                  "first the backend's op sweep (every op at its edges, each input its own allocation), then the "
+                  "survivor's unit-rung cases: a memory error or a race no value check could see.", ""]
         lines += [f"- `{r['file']}:{r['line']}` in `{r['function']}`: `{r['original']}` -> `{r['replacement']}`: "
                   f"caught by {r['caught_by']}" for r in caught] or ["none"]
         looked = [r for r in survivors if r.get("second_look")]
