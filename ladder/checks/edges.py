@@ -4,7 +4,7 @@ A GEMV variant's constants (kernels/cuda/catalog.py, read from its name and its 
 of its loop over the inputs and the rows a block owns; the shapes worth checking are on either side of
 each: a loop that runs short, exactly once, wraps and wraps twice, and a last block that is partial, full,
 or one row into a new block. The unit rung (ladder/unit/test_cuda_variants.py) and the sanitizer script
-(bench/sanitize.py) take their shapes from here, so a new variant or a changed constant gets its edges
+(its op sweep, ladder/tools/opsweep.py) take their shapes from here, so a new variant or a changed constant gets its edges
 without a new list.
 """
 

@@ -7,10 +7,10 @@ sentinel-filled buffer, `assert_close(op, out, ref, plain)` with TOL. `decode_ad
 and an increment) is checked exactly against its definition.
 
 A check draws nothing. The unit rung (ladder/unit/test_ops.py) draws its arguments with Hypothesis; the
-planted faults' proof (ladder/unit/test_planted_faults.py) and the sanitizer script (bench/sanitize.py)
-give explicit ones. A check's `examples` (set by `@examples`) are its explicit cases: the rung runs them on
-every run, before its draws, and each planted fault must fail them. Nothing here imports pytest or
-Hypothesis.
+planted faults' proof (ladder/unit/test_planted_faults.py) and the op sweep run under compute-sanitizer
+(ladder/tools/opsweep.py) give explicit ones. A check's `examples` (set by `@examples`) are its explicit
+cases: the rung runs them on every run, before its draws, and each planted fault must fail them. Nothing
+here imports pytest or Hypothesis.
 """
 
 from __future__ import annotations

@@ -431,13 +431,12 @@ echo "1 passed"
 
 
 def test_a_second_look_starts_with_the_op_sweep_and_a_sweep_report_kills_before_any_case_runs(tmp_path):
-    """The sweep (bench/sanitize.py's ops child: every op at its edges, seconds under a tool) goes first, under
+    """The sweep (ladder/tools/opsweep.py: every op at its edges, seconds under a tool) goes first, under
     each tool, then the survivor's unit cases: an over-read that only an edge shape reaches is reported
     without waiting on minutes of cases under memcheck."""
-    from bench.sanitize import parse_args
     from ladder.tools.mutate import SWEEPS, Worker
 
-    assert SWEEPS["cuda"][:2] == ("-m", "bench.sanitize") and parse_args(list(SWEEPS["cuda"][2:])).child == "ops"
+    assert SWEEPS["cuda"] == ("-m", "ladder.tools.opsweep", "--backend", "cuda")
     fake = tmp_path / "compute-sanitizer"
     fake.write_text(SWEEP_SANITIZER)
     fake.chmod(0o755)

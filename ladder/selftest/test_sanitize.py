@@ -2,9 +2,9 @@
 
 Its run needs compute-sanitizer and a GPU; what runs anywhere is checked here. `--help` prints the
 options with their defaults and starts nothing; a bad tool is one line and exit 2 before anything
-starts; a sanitizer that flags nothing fails the run (a blind sanitizer cannot pass). The ops it runs
-under each tool (`run_ops`: the unit rung's op checks on explicit inputs) pass on the NumPy backend in a
-process where pytest and Hypothesis cannot be imported: the script needs neither. bench/ is a leaf, so
+starts; a sanitizer that flags nothing fails the run (a blind sanitizer cannot pass). The op sweep it runs
+under each tool (ladder/tools/opsweep.py: the unit rung's op checks on explicit inputs) passes on the NumPy
+backend in a process where pytest and Hypothesis cannot be imported: the script needs neither. bench/ is a leaf, so
 it is run, never imported, here.
 """
 
@@ -59,14 +59,13 @@ def test_a_sanitizer_that_flags_nothing_fails_the_run(tmp_path):
 BLOCKED = """
 import sys
 sys.modules["pytest"] = sys.modules["hypothesis"] = None  # any import of either fails
-from bench.sanitize import run_ops
-from kernels import get_backend
-run_ops(get_backend("numpy"), say=lambda line: None)
-print("RUN-OPS-DONE")
+from ladder.tools.opsweep import main
+sys.exit(main(["--backend", "numpy"]))
 """
 
 
-def test_its_ops_pass_on_numpy_without_pytest_or_hypothesis():
+def test_its_op_sweep_passes_on_numpy_without_pytest_or_hypothesis():
+    """The sweep it runs under each tool (ladder/tools/opsweep.py, also `nanoqwen mutate`'s second look)."""
     r = subprocess.run([sys.executable, "-c", BLOCKED], cwd=REPO, env=child_env("numpy"),
                        capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and "RUN-OPS-DONE" in r.stdout, (r.stdout + r.stderr)[-3000:]
+    assert r.returncode == 0 and r.stdout.splitlines()[-1:] == ["SANITIZE-CHILD-DONE"], (r.stdout + r.stderr)[-3000:]

@@ -79,12 +79,13 @@ CASE_ALLOWANCE = 20.0  # the watchdog: a case hangs past 20 s + 3x its clean tim
 # with a limit of SANITIZER_FACTOR x the automatic timeout (memcheck slows a kernel 10 to 100 times).
 SECOND_LOOK = ("memcheck", "racecheck")
 SANITIZER_FACTOR = 4.0
-# The sweep: bench/sanitize.py's `ops` child, every op of the backend once at its edges (GEMV tails, the
-# lm_head's partial warp, attention over NaN-filled free pages) on explicit inputs, each its own allocation.
+# The sweep: ladder/tools/opsweep.py (the nightly's sanitizer script runs it too), every op of the backend
+# once at its edges (GEMV tails, the lm_head's partial warp, attention over NaN-filled free pages) on
+# explicit inputs, each its own allocation.
 # Seconds under memcheck (2 to 18 s on an H200), where a survivor's unit cases can take minutes: on tree
 # 476c9d6 it flagged the lm_head row clamp `V - 1 -> V - 0` (a survivor of a nightly's rotating sample whose
 # cases ran out of the sample's time) and the GEMV group clamp `groups - 1 -> groups - 0` in 5 and 18 s.
-SWEEPS = {"cuda": ("-m", "bench.sanitize", "--child", "ops")}
+SWEEPS = {"cuda": ("-m", "ladder.tools.opsweep", "--backend", "cuda")}
 SWEEP_LIMIT = 180.0
 # seconds of --within kept for what its clock does not see or comes after the cut: the interpreter's start
 # and imports, stopping the workers, writing the report (on an H200 the nightly's samples, with 5 s kept,
