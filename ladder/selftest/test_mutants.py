@@ -434,17 +434,17 @@ def test_a_second_look_starts_with_the_op_sweep_and_a_sweep_report_kills_before_
     """The sweep (ladder/tools/opsweep.py: every op at its edges, seconds under a tool) goes first, under
     each tool, then the survivor's unit cases: an over-read that only an edge shape reaches is reported
     without waiting on minutes of cases under memcheck."""
-    from ladder.tools.mutate import SWEEPS, Worker
-
-    assert SWEEPS["cuda"] == ("-m", "ladder.tools.opsweep", "--backend", "cuda")
+    from ladder.tools.mutate import Worker
     fake = tmp_path / "compute-sanitizer"
     fake.write_text(SWEEP_SANITIZER)
     fake.chmod(0o755)
     runs = tmp_path / "runs"
     w = Worker(tmp_path / "copy", 0, "numpy", ["unit"], None, [], {}, {}, child_env("numpy", pythonpath=str(ROOT)), [])
     assert w.sweep is None  # a host backend has none: its second look is the cases alone (tests above)
+    on_device = Worker(tmp_path / "copy2", 1, "cuda", ["unit"], None, [], {}, {}, {}, [])
+    assert on_device.sweep == ("-m", "ladder.tools.opsweep", "--backend", "cuda")
     w.sanitizer = str(fake)
-    w.sweep = ("-c", "print('op-sweep')")  # stands in for SWEEPS["cuda"]
+    w.sweep = ("-c", "print('op-sweep')")  # stands in for a device backend's `-m ladder.tools.opsweep --backend NAME`
     w.env.update(SWEEP_MARK="op-sweep", RUNS=str(runs), FLAGGED="memcheck")
     ids = ["ladder/unit/test_format_int4.py::test_weights_the_format_cannot_hold_are_refused"]
     assert w.second_look(ids) == {"caught_by": "memcheck, in the op sweep"}

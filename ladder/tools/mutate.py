@@ -85,7 +85,7 @@ SANITIZER_FACTOR = 4.0
 # Seconds under memcheck (2 to 18 s on an H200), where a survivor's unit cases can take minutes: on tree
 # 476c9d6 it flagged the lm_head row clamp `V - 1 -> V - 0` (a survivor of a nightly's rotating sample whose
 # cases ran out of the sample's time) and the GEMV group clamp `groups - 1 -> groups - 0` in 5 and 18 s.
-SWEEPS = {"cuda": ("-m", "ladder.tools.opsweep", "--backend", "cuda")}
+SWEEP = ("-m", "ladder.tools.opsweep", "--backend")  # and the backend's name
 SWEEP_LIMIT = 180.0
 # seconds of --within kept for what its clock does not see or comes after the cut: the interpreter's start
 # and imports, stopping the workers, writing the report (on an H200 the nightly's samples, with 5 s kept,
@@ -245,7 +245,10 @@ class Worker:
         self.server = None
         self.stop_at = None  # perf_counter time of the run's hard stop (--budget), if any
         self.sanitizer = None  # compute-sanitizer, for the second look at a survivor (device backends)
-        self.sweep = SWEEPS.get(backend)  # the op sweep the second look starts with (python arguments), if any
+        from kernels import backend_needs_device
+
+        # the op sweep the second look starts with (python arguments): a device backend's
+        self.sweep = (*SWEEP, backend) if backend_needs_device(backend) else None
         self._unmutated_looks: dict[tuple, bool] = {}  # (tool, argv) -> it fails under the tool unmutated too
 
     def _start(self):
@@ -325,7 +328,7 @@ class Worker:
 
     def second_look(self, ids: list[str], unmutated=None) -> dict:
         """A survivor again under compute-sanitizer, in fresh processes with CuPy's memory pool off
-        (ladder/tools/sanitizer.py): first the backend's op sweep (SWEEPS) under each tool of SECOND_LOOK, then
+        (ladder/tools/sanitizer.py): first the backend's op sweep (SWEEP, device backends) under each tool of SECOND_LOOK, then
         its unit-rung cases under each, cheapest first. A write past an output, a read past a weight's last row
         or a missing barrier changes no value the checks compare, but the tools see it. {"caught_by": tool}
         when a tool reports an error, or a case fails under it (an over-read that met real garbage instead of

@@ -24,6 +24,7 @@ crash happened), "SANITIZE-CHILD-DONE" at the end, and exits 3 on a wrong result
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -141,19 +142,17 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default="cuda", help="the backend whose ops run (default cuda)")
     args = ap.parse_args(argv)
     from kernels import get_backend
+    from ladder.checks.harness import POOL_VARIABLE, honour_pool_variable
 
-    if args.backend == "cuda":
-        import cupy as cp
-
-        cp.cuda.set_allocator(None)  # each array its own allocation, ending where the array ends
-        cp.cuda.set_pinned_memory_allocator(None)
+    os.environ[POOL_VARIABLE] = "0"  # the sweep is run to be checked: each array its own allocation
+    honour_pool_variable()  # before the backend allocates anything
+    be = get_backend(args.backend)
     try:
-        run_ops(get_backend(args.backend))
+        run_ops(be)
     except AssertionError as e:
         print(f"SANITIZE-CHILD-WRONG-RESULTS {e}", flush=True)
         return 3
-    if args.backend == "cuda":
-        cp.cuda.Device().synchronize()
+    be.synchronize()
     print("SANITIZE-CHILD-DONE", flush=True)
     return 0
 
