@@ -328,12 +328,12 @@ class Worker:
 
     def second_look(self, ids: list[str], unmutated=None) -> dict:
         """A survivor again under compute-sanitizer, in fresh processes with CuPy's memory pool off
-        (ladder/tools/sanitizer.py): first the backend's op sweep (SWEEP, device backends) under each tool of SECOND_LOOK, then
-        its unit-rung cases under each, cheapest first. A write past an output, a read past a weight's last row
-        or a missing barrier changes no value the checks compare, but the tools see it. {"caught_by": tool}
-        when a tool reports an error, or a case fails under it (an over-read that met real garbage instead of
-        pooled zeros); {"second_look": what ran} otherwise; {} when there is no sanitizer (a host backend) or
-        nothing to run.
+        (ladder/tools/sanitizer.py): first a device backend's op sweep (SWEEP) under each tool of SECOND_LOOK,
+        then its unit-rung cases under each: the cheap parts first. A write past an output, a read past a
+        weight's last row or a missing barrier changes no value the checks compare, but the tools see it.
+        {"caught_by": tool} when a tool reports an error, or a case or the sweep fails under it (an over-read
+        that met real garbage instead of pooled zeros); {"second_look": what ran} otherwise; {} when there is
+        no sanitizer (a host backend) or nothing to run.
 
         `unmutated`: a context manager factory under which the tree holds the original source. A tool's
         verdict against the mutant counts only where the same run passes under it unmutated: a case that
@@ -341,11 +341,12 @@ class Worker:
         otherwise call every survivor whose cases include it caught. Asked once per tool and run."""
         if not self.sanitizer:
             return {}
-        parts = []  # (tool, "sweep" | "cases", python arguments, limit or None for the cases' own)
+        parts = []  # (tool, "sweep" | "cases", python arguments, seconds allowed)
         if self.sweep:
             parts += [(tool, "sweep", list(self.sweep), SWEEP_LIMIT) for tool in SECOND_LOOK]
         if ids:
-            argv = ["-m", "pytest", *ids, *_rung_args("unit", self.dir, self.backend, ["-x", "-p", "no:xdist", *self.extra])]
+            argv = ["-m", "pytest", *ids,
+                    *_rung_args("unit", self.dir, self.backend, ["-x", "-p", "no:xdist", *self.extra])]
             parts += [(tool, "cases", argv, SANITIZER_FACTOR * self.timeout_for("unit", ids)) for tool in SECOND_LOOK]
         looked = []
         for tool, what, argv, limit in parts:
