@@ -9,7 +9,8 @@ backend has a launcher for (each GEMV in its default variant, then every variant
 its loop wraps and its last block holds one row), the INT4 formats' wgmma prefill kernel (one block a
 tile, and spread over fewer blocks), RoPE page writes, every decode-attention kernel with NaN-filled free
 pages and split-K, lm_head (also at its tail: a partial last warp, a wrapped loop, three tokens), argmax
-and decode_advance. Neither pytest nor Hypothesis is needed.
+and decode_advance. Neither pytest nor Hypothesis is needed. An op added to the backend interface must get
+its line here: ladder/selftest/test_opsweep.py names every op and fused op the sweep never reaches.
 
 Two callers run it under each compute-sanitizer tool, CuPy's memory pool off (with the pool on, a read
 or write past an array's end lands inside a larger pooled block, which memcheck sees as valid memory):
