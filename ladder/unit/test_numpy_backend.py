@@ -267,6 +267,7 @@ def test_the_backend_runs_its_matmuls_on_its_own_thread_count(monkeypatch):
     (8, "3", None, 2),  # a pytest-xdist worker's whole share
     (2, "4", None, 1),  # never below one
     (8, "0", None, 8),  # a worker count of 0 counts as one, never a division by zero
+    (8, "", None, 8),  # so does an empty one (the variable set, with nothing in it)
     (8, "3", "5", 5),  # NANOQWEN_NUMPY_THREADS wins
     (8, None, "0", 1),  # ... but never below one
     (8, None, "1", 1),
