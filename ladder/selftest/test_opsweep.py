@@ -1,8 +1,9 @@
 """Self-test: the op sweep (ladder/tools/opsweep.py), which the CUDA sanitizer script and `nanoqwen mutate`'s
 second look run under compute-sanitizer, reaches every op of the backend interface.
 
-A kernel the sweep never launches is one no sanitizer looks at between two nightlies' mutant samples: an op
-added to kernels/base.py `OPS` (or a fused op to `FUSED_OPS`) must get its line in `run_ops`. The sweep runs
+A kernel the sweep never launches is one the nightly's sanitizers never look at, and a survivor in it gets
+no quick second look: an op added to kernels/base.py `OPS` (or a fused op to `FUSED_OPS`) must get its
+line in `run_ops`. The sweep runs
 here on the NumPy backend behind a proxy that notes each attribute the sweep asks of it; the CUDA backend
 goes through the same code, so the ops it reaches are the same (its variants are the sweep's own loops).
 """

@@ -2,10 +2,10 @@
 
 Its run needs compute-sanitizer and a GPU; what runs anywhere is checked here. `--help` prints the
 options with their defaults and starts nothing; a bad tool is one line and exit 2 before anything
-starts; a sanitizer that flags nothing fails the run (a blind sanitizer cannot pass). The op sweep it runs
-under each tool (ladder/tools/opsweep.py: the unit rung's op checks on explicit inputs) passes on the NumPy
-backend in a process where pytest and Hypothesis cannot be imported: the script needs neither. bench/ is a leaf, so
-it is run, never imported, here.
+starts; a sanitizer that flags nothing fails the run (a blind sanitizer cannot pass). The op sweep it
+runs under each tool (ladder/tools/opsweep.py: the unit rung's op checks on explicit inputs) passes on the
+NumPy backend in a process where pytest and Hypothesis cannot be imported: the script needs neither.
+bench/ is a leaf, so it is run, never imported, here.
 """
 
 from __future__ import annotations
