@@ -354,7 +354,7 @@ class Worker:
                 limit = min(limit, self.stop_at - time.perf_counter())
                 if limit <= 0:
                     break
-            name = f"{tool} {'sweep' if what == 'sweep' else 'cases'}" if self.sweep else tool
+            name = f"{tool} {what}" if self.sweep else tool  # "memcheck sweep", "memcheck cases"
             verdict = self._look(tool, argv, limit)
             if verdict is None:
                 looked.append(f"{name} past {limit:.0f} s (no verdict)")
